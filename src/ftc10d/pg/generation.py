@@ -1,0 +1,283 @@
+"""Generations: one inner communicator per configuration (uuid), and its abort.
+
+A :class:`Generation` is born connected (by :func:`rendezvous`) and dies aborted;
+it is never repaired. Everything about failure lives here: translating a
+backend error into a typed :class:`~ftc10d.types.CollectiveError`, naming the
+failed peer, and aborting so that no op of the generation can write into a user
+tensor once :meth:`Generation.abort` has returned (invariant 2).
+
+Store layout of a rendezvous (keys under the group's store)::
+
+    ftc10d/cfg/<uuid>/sig          sha256 of the ordered handles, claimed with compare_set;
+                                   "used:<sig>" once the members have met (reuse detection)
+    ftc10d/cfg/<uuid>/rank/<r>     "<handle>|<global rank>" written by rank r on arrival
+    ftc10d/cfg/<uuid>/gloo/...     Gloo's own keys, and "ep/<r>": rank r's socket endpoints
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from ftc10d.pg.gloo import GlooCommunicator
+from ftc10d.pg.handles import Plan
+from ftc10d.types import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    CommunicationError,
+    ConfigurationMismatchError,
+    ErrorType,
+    PeerFailureError,
+    ProcessGroupAborted,
+    ReconfigureTimeoutError,
+    UuidReusedError,
+)
+
+logger = logging.getLogger("ftc10d")
+
+KEY_ROOT = "ftc10d"
+#: How long an abort waits for the generation's ops to drain after its sockets are cut.
+#: They fail within milliseconds; the bound only guards against a backend bug.
+ABORT_DRAIN_TIMEOUT = timedelta(seconds=10)
+_PEER_ERROR_MARKERS = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "Read error", "Write error", "EOF")
+
+
+def _label(uuid: Optional[int]) -> str:
+    return "the initial configuration" if uuid is None else f"generation {uuid}"
+
+
+class Generation:
+    """One connected configuration: ``uuid``, ``rank``/``size`` in it, its backend."""
+
+    def __init__(
+        self,
+        uuid: Optional[int],
+        rank: int,
+        size: int,
+        handles: tuple[str, ...],
+        global_ranks: tuple[int, ...],
+        comm: GlooCommunicator,
+        fire_abort_hooks: Callable[[], None],
+    ) -> None:
+        self.uuid = uuid
+        self.rank = rank
+        self.size = size
+        self.handles = handles
+        self.global_ranks = global_ranks
+        self.comm = comm
+        self.backend = comm.backend
+        self.label = _label(uuid)
+        self.collective_seq = 0
+        self.p2p_seq = 0
+        self.aborted = False
+        self.abort_reason = ""
+        self.error_type: Any = ErrorType.SUCCESS
+        self.failed_peer: Optional[int] = None
+        self._fire_abort_hooks = fire_abort_hooks
+        self._pending: deque[Any] = deque()
+        self._lock = threading.Lock()
+        self._aborting_thread: Optional[int] = None
+        self._abort_done = threading.Event()
+
+    # ------------------------------------------------------------------ data path
+
+    def track(self, inner: Any) -> None:
+        """Remember a backend work until it completes, so abort can drain it."""
+        pending = self._pending
+        pending.append(inner)
+        if len(pending) > 32:
+            while pending and pending[0].is_completed():
+                pending.popleft()
+
+    def aborted_error(self, op: str, seq: int) -> ProcessGroupAborted:
+        return ProcessGroupAborted(
+            f"{op} #{seq} of {self.label} (rank {self.rank} of {self.size}) was aborted: {self.abort_reason}. "
+            "Reconfigure the group with a fresh uuid to continue.",
+            op=op,
+            seq=seq,
+            uuid=self.uuid,
+            peer=self.failed_peer,
+            error_type=self.error_type,
+        )
+
+    def on_failure(self, op: str, seq: int, exc: BaseException, *, abort_inline: bool) -> CollectiveError:
+        """Type the backend's error and abort the generation if this is its first failure."""
+        if self.aborted or self._aborting_thread is not None:
+            return self.aborted_error(op, seq)
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        where = f"{op} #{seq} of {self.label} (rank {self.rank} of {self.size})"
+        if "timed out" in text.lower():
+            err: CollectiveError = CollectiveTimeoutError(
+                f"{where} timed out: {text}. The configuration was aborted; a peer is probably frozen, "
+                "partitioned or slow. Reconfigure with a fresh uuid to continue.",
+                op=op, seq=seq, uuid=self.uuid, error_type=ErrorType.TIMEOUT,
+            )
+        elif any(marker in text for marker in _PEER_ERROR_MARKERS):
+            peer = self.comm.peer_of_endpoint(text)
+            who = f"peer rank {peer}" if peer is not None else "a peer"
+            err = PeerFailureError(
+                f"{where} failed: {who} closed its connection ({text}). It probably died or aborted; "
+                "the configuration was aborted. Reconfigure without it to continue.",
+                op=op, seq=seq, uuid=self.uuid, peer=peer, error_type=ErrorType.REMOTE_ERROR,
+            )
+        else:
+            err = CommunicationError(
+                f"{where} failed: {text}. The configuration was aborted.",
+                op=op, seq=seq, uuid=self.uuid, error_type=ErrorType.COMM_ERROR,
+            )
+        reason = f"{op} #{seq} failed ({type(err).__name__}{'' if err.peer is None else f', peer rank {err.peer}'})"
+        if abort_inline:
+            self.abort(err.error_type, reason, err.peer)
+        else:
+            threading.Thread(
+                target=self.abort, args=(err.error_type, reason, err.peer), name="ftc10d-abort", daemon=True
+            ).start()
+        return err
+
+    # ------------------------------------------------------------------- abort
+
+    def abort(self, error_type: Any, reason: str, failed_peer: Optional[int] = None) -> bool:
+        """Abort once: hooks, then cut the sockets, then drain every pending op.
+
+        Returns True for the call that did the abort. A concurrent caller waits
+        until the abort is complete; a hook that aborts again returns at once.
+        """
+        me = threading.get_ident()
+        with self._lock:
+            if self._aborting_thread is not None or self.aborted:
+                first = False
+            else:
+                first = True
+                self._aborting_thread = me
+                self.abort_reason = reason
+                self.error_type = error_type
+                self.failed_peer = failed_peer
+        if not first:
+            if self._aborting_thread != me:
+                self._abort_done.wait()
+            return False
+        t0 = time.perf_counter()
+        try:
+            self._fire_abort_hooks()
+        finally:
+            self.aborted = True
+            cut = self.comm.shutdown_pairs()
+            self._drain()
+            self._abort_done.set()
+        logger.info(
+            "aborted %s (rank %d of %d): %s; %d connection(s) cut in %.1f ms",
+            self.label, self.rank, self.size, reason, cut, (time.perf_counter() - t0) * 1e3,
+        )
+        return True
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + ABORT_DRAIN_TIMEOUT.total_seconds()
+        while self._pending:
+            inner = self._pending.popleft()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                logger.error("abort of %s: ops still running after %s", self.label, ABORT_DRAIN_TIMEOUT)
+                return
+            try:
+                inner.wait(timedelta(seconds=left))
+            except Exception:
+                pass  # failing is what we expect of them
+
+
+# ------------------------------------------------------------------- rendezvous
+
+
+def handles_digest(handles: tuple[str, ...]) -> str:
+    return hashlib.sha256("\n".join(handles).encode()).hexdigest()[:32]
+
+
+def claim_uuid(store: dist.Store, plan: Plan) -> None:
+    """Claim ``plan.uuid`` for this membership, or raise if it was used before.
+
+    Done before the previous configuration is aborted, so a reused uuid costs
+    the caller nothing.
+    """
+    sig = handles_digest(plan.handles)
+    current = store.compare_set(f"{KEY_ROOT}/cfg/{plan.uuid}/sig", "", sig).decode()
+    if current == sig:
+        return
+    if current == f"used:{sig}":
+        raise UuidReusedError(
+            f"uuid {plan.uuid} was already used for a configuration (or an attempt that failed) with these "
+            f"{plan.size} members; every reconfigure needs a fresh uuid"
+        )
+    raise UuidReusedError(
+        f"uuid {plan.uuid} is already taken by a configuration with a different member list: either it was "
+        "used before, or members were given different handle lists for it. Pass a fresh uuid, and the same "
+        "ordered handles to every member"
+    )
+
+
+def rendezvous(
+    store: dist.Store,
+    plan: Plan,
+    global_rank: int,
+    op_timeout: timedelta,
+    fire_abort_hooks: Callable[[], None],
+) -> Generation:
+    """Meet every member of ``plan`` and connect a new Gloo communicator."""
+    prefix = f"{KEY_ROOT}/cfg/{plan.uuid}"
+    sig = handles_digest(plan.handles)
+    keys = [f"{prefix}/rank/{r}" for r in range(plan.size)]
+    try:
+        store.set(keys[plan.rank], f"{plan.handles[plan.rank]}|{global_rank}")
+        try:
+            store.wait(keys, plan.timeout)
+        except Exception as exc:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise ReconfigureTimeoutError(
+                f"reconfigure to uuid {plan.uuid}: rank(s) {missing} of {plan.size} did not arrive within "
+                f"{plan.timeout.total_seconds():g} s (handles {[plan.handles[r] for r in missing]}). "
+                "Retry with a fresh uuid and the members that are alive."
+            ) from exc
+        values = [v.decode() for v in store.multi_get(keys)]
+        global_ranks = []
+        for r, value in enumerate(values):
+            handle, _, grank = value.partition("|")
+            if handle != plan.handles[r]:
+                raise ConfigurationMismatchError(
+                    f"reconfigure to uuid {plan.uuid}: rank {r} was taken by handle {handle!r} but this member "
+                    f"expected {plan.handles[r]!r}; all members must be given the same ordered handles"
+                )
+            global_ranks.append(int(grank))
+    finally:
+        # From here on the uuid counts as used, whatever happens.
+        store.set(f"{prefix}/sig", f"used:{sig}")
+    comm = GlooCommunicator(dist.PrefixStore(f"{prefix}/gloo", store), plan.rank, plan.size, plan.timeout)
+    if op_timeout != plan.timeout:
+        comm.backend.set_timeout(op_timeout)
+    return Generation(plan.uuid, plan.rank, plan.size, plan.handles, tuple(global_ranks), comm, fire_abort_hooks)
+
+
+def bootstrap(
+    store: dist.Store,
+    handle: str,
+    rank: int,
+    size: int,
+    global_rank: int,
+    timeout: timedelta,
+    fire_abort_hooks: Callable[[], None],
+) -> Generation:
+    """The initial configuration of a group built with ``enable_reconfigure=False``:
+    ranks come from the constructor, like ``ProcessGroupGloo``."""
+    prefix = f"{KEY_ROOT}/init"
+    keys = [f"{prefix}/rank/{r}" for r in range(size)]
+    store.set(keys[rank], f"{handle}|{global_rank}")
+    store.wait(keys, timeout)
+    values = [v.decode().partition("|") for v in store.multi_get(keys)]
+    handles = tuple(v[0] for v in values)
+    global_ranks = tuple(int(v[2]) for v in values)
+    comm = GlooCommunicator(dist.PrefixStore(f"{prefix}/gloo", store), rank, size, timeout)
+    return Generation(None, rank, size, handles, global_ranks, comm, fire_abort_hooks)

@@ -1,0 +1,161 @@
+"""The Gloo adapter: one ``ProcessGroupGloo`` per configuration, and an abort that works.
+
+Gloo has no abort: an op blocked on a frozen peer waits for the full timeout, and
+torch 2.14's ``abort()`` on Gloo is a no-op. What does unblock it is shutting
+down the configuration's *pair* sockets (the connections to peers): every op
+blocked on them fails within a millisecond with an I/O error, and the Gloo
+worker threads drain. The device's *listening* socket is never touched, because
+Gloo's event loop treats an error on it as fatal to the process.
+
+Gloo does not expose its sockets, so we find them: the sockets that appear in
+``/proc/self/fd`` while the communicator connects are its listener and its
+pairs. We remember each pair socket's inode and, at abort, shut down only a
+descriptor that still refers to that inode (a closed descriptor number may be
+reused by anything else in the meantime). Connecting is serialised by a module
+lock so two configurations created by different threads of this process do not
+claim each other's sockets.
+
+The local endpoints of the pair sockets are published in the store so that a
+peer whose connection fails ("Connection closed by peer [10.0.0.2]:41234") can
+name the rank that owned that endpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+logger = logging.getLogger("ftc10d")
+
+_CONNECT_LOCK = threading.Lock()
+_ENDPOINT_RE = re.compile(r"\[([0-9a-fA-F.:]+)\]:(\d+)")
+
+
+def _socket_inodes() -> dict[int, int]:
+    """fd -> socket inode for every socket this process has open."""
+    out: dict[int, int] = {}
+    base = "/proc/self/fd"
+    for name in os.listdir(base):
+        try:
+            target = os.readlink(f"{base}/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out[int(name)] = int(target[8:-1])
+    return out
+
+
+@dataclass(frozen=True)
+class _PairSocket:
+    fd: int
+    inode: int
+    local: tuple[str, int]
+    remote: tuple[str, int]
+
+
+def _describe(fd: int, inode: int) -> Optional[_PairSocket]:
+    """Return the pair-socket record for ``fd`` or None if it is not a connected TCP socket."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        if os.fstat(dup).st_ino != inode:
+            return None
+        s = socket.socket(fileno=dup)
+        try:
+            if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
+                return None
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                return None  # the listener: never shut down
+            local = s.getsockname()[:2]
+            remote = s.getpeername()[:2]
+        except OSError:
+            return None
+        finally:
+            s.detach()
+        return _PairSocket(fd=fd, inode=inode, local=(str(local[0]), int(local[1])), remote=(str(remote[0]), int(remote[1])))
+    finally:
+        os.close(dup)
+
+
+def _create_device() -> dist.ProcessGroupGloo.Device:
+    """Same device choice as torch's Gloo (``GLOO_SOCKET_IFNAME`` or the hostname)."""
+    return dist.ProcessGroupGloo.create_default_device()
+
+
+class GlooCommunicator:
+    """One connected ``ProcessGroupGloo`` and the means to cut it off."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [_create_device()]
+        self.rank = rank
+        self.size = size
+        self._store = store
+        with _CONNECT_LOCK:
+            before = _socket_inodes()
+            self.backend = dist.ProcessGroupGloo(store, rank, size, opts)
+            after = _socket_inodes()
+        pairs = []
+        for fd, inode in after.items():
+            if before.get(fd) == inode:
+                continue
+            rec = _describe(fd, inode)
+            if rec is not None:
+                pairs.append(rec)
+        self._pairs: tuple[_PairSocket, ...] = tuple(pairs)
+        # Publish our end of every pair so peers can map an endpoint in an error to our rank.
+        store.set(f"ep/{rank}", ",".join(f"{p.local[0]}:{p.local[1]}" for p in pairs))
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self._pairs)
+
+    def shutdown_pairs(self) -> int:
+        """Shut down every pair socket still open; returns how many were cut."""
+        cut = 0
+        for p in self._pairs:
+            try:
+                dup = os.dup(p.fd)
+            except OSError:
+                continue  # Gloo already closed it
+            s = socket.socket(fileno=dup)  # owns ``dup`` from here on
+            try:
+                if os.fstat(dup).st_ino != p.inode:
+                    continue  # descriptor number reused by someone else
+                s.shutdown(socket.SHUT_RDWR)
+                cut += 1
+            except OSError:
+                pass  # already disconnected
+            finally:
+                s.close()
+        return cut
+
+    def peer_of_endpoint(self, message: str) -> Optional[int]:
+        """Map the ``[ip]:port`` named in a Gloo error to the rank that owned it."""
+        m = _ENDPOINT_RE.search(message)
+        if m is None:
+            return None
+        endpoint = f"{m.group(1)}:{m.group(2)}"
+        # Our own pair that talks to that endpoint tells us directly which peer it was
+        # only if we can map remote -> rank; the published endpoints do that.
+        try:
+            keys = [f"ep/{r}" for r in range(self.size) if r != self.rank]
+            values = self._store.multi_get(keys) if keys else []
+        except Exception:  # the store may be gone too; naming the peer is best effort
+            logger.debug("could not read peer endpoints", exc_info=True)
+            return None
+        for key, value in zip(keys, values):
+            if endpoint in value.decode().split(","):
+                return int(key.split("/")[1])
+        return None

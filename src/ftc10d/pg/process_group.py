@@ -1,0 +1,433 @@
+"""The fault-tolerant ``ProcessGroup``: torch 2.14's reconfigure contract on Gloo.
+
+Every op goes through :meth:`ProcessGroup._issue`: fire pre-hooks, take the next
+sequence number of the current generation, hand the op to that generation's
+backend, wrap the backend's work, fire post-hooks. The public methods only
+normalise torch's many calling conventions into that one call.
+
+Method names follow torch's ``ProcessGroup`` (2.13 and 2.14 both call
+``all_gather_single``, ``reduce_scatter_single``, ``all_to_all_single``; older
+callers use ``_allgather_base``, ``_reduce_scatter_base``, ``alltoall_base``),
+so ``torch.distributed``'s functions, ``DistributedDataParallel`` and the C++
+callers that reach Python through torch's ``PyProcessGroup`` trampoline all land
+here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch._C._distributed_c10d as _c10d
+
+from ftc10d.pg import handles as _handles
+from ftc10d.pg.generation import Generation, bootstrap, claim_uuid, rendezvous
+from ftc10d.pg.hooks import HookRegistry
+from ftc10d.pg.work import CompletedWork, MultiWork, Work
+from ftc10d.types import (
+    ErrorType,
+    HookOpName,
+    InvalidOptionError,
+    NotConfiguredError,
+    ProcessGroupAborted,
+    UuidReusedError,
+    make_post_hook_args,
+    make_pre_hook_args,
+)
+
+logger = logging.getLogger("ftc10d")
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+BACKENDS = ("gloo",)
+_NO_TIMEOUT = timedelta(0)
+_group_ids = itertools.count()
+
+Tensors = list[torch.Tensor]
+
+
+def _opts(kind: type, opts: Any, **defaults: Any) -> Any:
+    """Accept torch's options object, a bare ReduceOp, or None."""
+    if isinstance(opts, kind):
+        return opts
+    out = kind()
+    if isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+        out.reduceOp = opts
+    elif opts is not None:
+        raise InvalidOptionError(f"expected {kind.__name__} or None, got {type(opts).__name__}")
+    for k, v in defaults.items():
+        setattr(out, k, v)
+    return out
+
+
+def _as_list(tensors: Any) -> Tensors:
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+
+
+class ProcessGroup(dist.ProcessGroup):
+    """A process group that can be aborted and rebuilt in place.
+
+    Args:
+        store: the rendezvous store (a ``TCPStore``, possibly behind a ``PrefixStore``).
+            Groups that should later merge must share it.
+        rank, world_size: this process's place in the initial configuration.
+        backend: the inner communicator; ``"gloo"``.
+        timeout: default timeout of every op and of a reconfigure rendezvous.
+        enable_reconfigure: if False the group connects now, like ``ProcessGroupGloo``;
+            if True it connects on the first :meth:`reconfigure`.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        enable_reconfigure: bool = False,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise InvalidOptionError(f"backend {backend!r} is not supported; choose one of {list(BACKENDS)}")
+        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+            raise InvalidOptionError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+        if not enable_reconfigure and not 0 <= rank < world_size:
+            raise InvalidOptionError(f"rank {rank} is not in [0, world_size={world_size})")
+        super().__init__(rank, world_size)  # the (store, rank, size) overload has no Python trampoline
+        self._store = store
+        self._init_rank = rank
+        self._init_size = world_size
+        self._backend_name = backend
+        self._timeout = timeout
+        self._handle = _handles.new_handle()
+        self._gen: Optional[Generation] = None
+        self._used_uuids: set[int] = set()
+        self._reconfigure_lock = threading.Lock()
+        self._op_ids = itertools.count()
+        self._abort_hooks = HookRegistry("abort")
+        self._pre_hooks = HookRegistry("pre")
+        self._post_hooks = HookRegistry("post")
+        self._last_error: Any = ErrorType.SUCCESS
+        self._group_id = next(_group_ids)
+        self._on_reconfigure: list[Callable[["ProcessGroup"], None]] = []
+        from ftc10d.pg import c10d  # late: c10d imports this module
+
+        c10d.register(self)
+        if not enable_reconfigure:
+            self._gen = bootstrap(
+                store, self._handle, rank, world_size, c10d.global_rank(self), timeout, self._fire_abort_hooks
+            )
+            c10d.update_ranks(self)
+
+    # ------------------------------------------------------------ identity
+
+    def rank(self) -> int:
+        gen = self._gen
+        return gen.rank if gen is not None else self._init_rank
+
+    def size(self) -> int:
+        gen = self._gen
+        return gen.size if gen is not None else self._init_size
+
+    def getBackendName(self) -> str:
+        return "ftc10d"
+
+    def _get_backend_name(self) -> str:
+        return "ftc10d"
+
+    def name(self) -> str:
+        return "ftc10d"
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._timeout
+
+    @property
+    def uuid(self) -> Optional[int]:
+        """uuid of the current configuration (None for the initial one or none yet)."""
+        gen = self._gen
+        return gen.uuid if gen is not None else None
+
+    @property
+    def generation(self) -> Optional[Generation]:
+        return self._gen
+
+    def __repr__(self) -> str:
+        gen = self._gen
+        state = "unconfigured" if gen is None else f"{gen.label}{', aborted' if gen.aborted else ''}"
+        return f"ftc10d.ProcessGroup(rank={self.rank()}, size={self.size()}, {state})"
+
+    # ----------------------------------------------------- reconfigure contract
+
+    @property
+    def supports_reconfigure(self) -> bool:
+        return True
+
+    def get_reconfigure_handle(self) -> str:
+        return self._handle
+
+    def reconfigure(self, opts: Any) -> dist.Work:
+        """Abort the current configuration and connect the one ``opts`` describes.
+
+        Synchronous: returns a completed work, or raises. Bad input raises before
+        anything is aborted, so the group keeps its current configuration.
+        """
+        plan = _handles.plan_reconfigure(opts, self._handle, self._timeout)
+        with self._reconfigure_lock:
+            if plan.uuid in self._used_uuids:
+                raise UuidReusedError(
+                    f"uuid {plan.uuid} was already used by this group; every reconfigure needs a fresh uuid"
+                )
+            claim_uuid(self._store, plan)
+            self._used_uuids.add(plan.uuid)
+            old = self._gen
+            if old is not None:
+                old.abort(ErrorType.COMM_ERROR, f"reconfigured to generation {plan.uuid}")
+            from ftc10d.pg import c10d
+
+            gen = rendezvous(self._store, plan, c10d.global_rank(self), self._timeout, self._fire_abort_hooks)
+            self._gen = gen
+            self._last_error = ErrorType.SUCCESS
+            c10d.update_ranks(self)
+        logger.info("reconfigured to %s: rank %d of %d", gen.label, gen.rank, gen.size)
+        for fn in list(self._on_reconfigure):
+            fn(self)
+        return CompletedWork()
+
+    def abort(self) -> None:
+        """Abort the current configuration: every pending ``wait()`` raises
+        :class:`ProcessGroupAborted`, and no op of it writes into a user tensor
+        once this returns. ``reconfigure()`` makes the group usable again."""
+        gen = self._gen
+        if gen is not None:
+            gen.abort(ErrorType.COMM_ERROR, "aborted by the user (ProcessGroup.abort())")
+
+    def shutdown(self) -> None:
+        gen = self._gen
+        if gen is not None and not gen.aborted:
+            gen.abort(ErrorType.SUCCESS, "the group was shut down")
+
+    def get_error(self) -> Any:
+        gen = self._gen
+        if gen is not None and gen.aborted:
+            return gen.error_type
+        return ErrorType.SUCCESS
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+            raise InvalidOptionError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+        self._timeout = timeout
+        gen = self._gen
+        if gen is not None:
+            gen.backend.set_timeout(timeout)
+
+    # -------------------------------------------------------------- hooks
+
+    def register_abort_hook(self, hook_id: int, hook: Callable[[], None]) -> None:
+        self._abort_hooks.register(hook_id, hook)
+
+    def unregister_abort_hook(self, hook_id: int) -> None:
+        self._abort_hooks.unregister(hook_id)
+
+    def register_pre_hook(self, hook_id: int, hook: Callable[[Any], None]) -> None:
+        self._pre_hooks.register(hook_id, hook)
+
+    def unregister_pre_hook(self, hook_id: int) -> None:
+        self._pre_hooks.unregister(hook_id)
+
+    def register_post_hook(self, hook_id: int, hook: Callable[[Any], None]) -> None:
+        self._post_hooks.register(hook_id, hook)
+
+    def unregister_post_hook(self, hook_id: int) -> None:
+        self._post_hooks.unregister(hook_id)
+
+    def _fire_abort_hooks(self) -> None:
+        self._abort_hooks.fire()
+
+    def add_reconfigure_listener(self, fn: Callable[["ProcessGroup"], None]) -> None:
+        """Call ``fn(pg)`` after every successful reconfigure (used by c10d bookkeeping)."""
+        self._on_reconfigure.append(fn)
+
+    # ------------------------------------------------------------ issue path
+
+    def _issue(
+        self,
+        hook_name: Any,
+        op: str,
+        inputs: Tensors,
+        outputs: Tensors,
+        root: int,
+        async_op: bool,
+        call: Callable[[Any], Any],
+        result: Any,
+        p2p: bool = False,
+    ) -> Work:
+        gen = self._gen
+        if gen is None:
+            raise NotConfiguredError(
+                f"{op} on an ftc10d group that has no configuration yet: it was created with "
+                "enable_reconfigure=True; call reconfigure() (or ftc10d.reconfigure(uuid, handles, group=pg)) first"
+            )
+        if gen.aborted:
+            raise gen.aborted_error(op, gen.p2p_seq + 1 if p2p else gen.collective_seq + 1)
+        op_id = next(self._op_ids)
+        if self._pre_hooks.fns:
+            self._pre_hooks.fire(make_pre_hook_args(hook_name, async_op, inputs, outputs, root, op_id))
+        if p2p:
+            gen.p2p_seq += 1
+            seq = gen.p2p_seq
+        else:
+            gen.collective_seq += 1
+            seq = gen.collective_seq
+        try:
+            inner = call(gen.backend)
+        except Exception as exc:
+            if gen.aborted:
+                raise gen.aborted_error(op, seq) from exc
+            raise
+        gen.track(inner)
+        work = Work(gen, op, seq, inner, result)
+        if self._post_hooks.fns:
+            self._post_hooks.fire(make_post_hook_args(hook_name, async_op, work, op_id))
+        return work
+
+    # ------------------------------------------------------------ collectives
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> Work:
+        tensors = _as_list(tensors)
+        o = _opts(_c10d.AllreduceOptions, opts)
+        return self._issue(HookOpName.ALLREDUCE, "all_reduce", tensors, tensors, -1, o.asyncOp,
+                           lambda b: b.allreduce(tensors, o), tensors)
+
+    def allreduce_coalesced(self, tensors: Tensors, opts: Any = None) -> Work:
+        o = _opts(_c10d.AllreduceCoalescedOptions, opts)
+        return self._issue(HookOpName.ALLREDUCE, "all_reduce_coalesced", tensors, tensors, -1, o.asyncOp,
+                           lambda b: b.allreduce_coalesced(tensors, o), tensors)
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> Work:
+        tensors = _as_list(tensors)
+        o = _opts(_c10d.BroadcastOptions, opts)
+        return self._issue(HookOpName.BROADCAST, "broadcast", tensors, tensors, o.rootRank, o.asyncOp,
+                           lambda b: b.broadcast(tensors, o), tensors)
+
+    def reduce(self, tensors: Any, opts: Any = None) -> Work:
+        tensors = _as_list(tensors)
+        o = _opts(_c10d.ReduceOptions, opts)
+        return self._issue(HookOpName.REDUCE, "reduce", tensors, tensors, o.rootRank, o.asyncOp,
+                           lambda b: b.reduce(tensors, o), tensors)
+
+    def allgather(self, output_tensors: list[Tensors], input_tensors: Tensors, opts: Any = None) -> Work:
+        o = _opts(_c10d.AllgatherOptions, opts)
+        flat_out = [t for ts in output_tensors for t in ts]
+        return self._issue(HookOpName.ALLGATHER, "all_gather", input_tensors, flat_out, -1, o.asyncOp,
+                           lambda b: b.allgather(output_tensors, input_tensors, o), output_tensors)
+
+    def allgather_coalesced(self, output_lists: list[Tensors], input_list: Tensors, opts: Any = None) -> Work:
+        o = _opts(_c10d.AllgatherOptions, opts)
+        flat_out = [t for ts in output_lists for t in ts]
+        return self._issue(HookOpName.ALLGATHER, "all_gather_coalesced", input_list, flat_out, -1, o.asyncOp,
+                           lambda b: b.allgather_coalesced(output_lists, input_list, o), output_lists)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
+        o = _opts(_c10d.AllgatherOptions, opts)
+        return self._issue(HookOpName.ALLGATHER, "all_gather_into_tensor", [input], [output], -1, o.asyncOp,
+                           lambda b: b._allgather_base(output, input, o), [output])
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: Tensors, inputs: Tensors, opts: Any = None) -> dist.Work:
+        o = _opts(_c10d.AllgatherOptions, opts)
+        return MultiWork([self.all_gather_single(out, inp, o) for out, inp in zip(outputs, inputs)], outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, output_tensors: list[Tensors], input_tensors: Tensors, opts: Any = None) -> Work:
+        o = _opts(_c10d.GatherOptions, opts)
+        flat_out = [t for ts in output_tensors for t in ts]
+        return self._issue(HookOpName.GATHER, "gather", input_tensors, flat_out, o.rootRank, o.asyncOp,
+                           lambda b: b.gather(output_tensors, input_tensors, o), output_tensors)
+
+    def gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
+        o = _opts(_c10d.GatherOptions, opts)
+        outs = [list(output.chunk(self.size(), 0))] if self.rank() == o.rootRank else []
+        return self._issue(HookOpName.GATHER, "gather_into_tensor", [input], [output], o.rootRank, o.asyncOp,
+                           lambda b: b.gather(outs, [input], o), [output])
+
+    def scatter(self, output_tensors: Tensors, input_tensors: list[Tensors], opts: Any = None) -> Work:
+        o = _opts(_c10d.ScatterOptions, opts)
+        flat_in = [t for ts in input_tensors for t in ts]
+        return self._issue(HookOpName.SCATTER, "scatter", flat_in, output_tensors, o.rootRank, o.asyncOp,
+                           lambda b: b.scatter(output_tensors, input_tensors, o), output_tensors)
+
+    def reduce_scatter(self, output_tensors: Tensors, input_tensors: list[Tensors], opts: Any = None) -> Work:
+        o = _opts(_c10d.ReduceScatterOptions, opts)
+        flat_in = [t for ts in input_tensors for t in ts]
+        return self._issue(HookOpName.REDUCE_SCATTER, "reduce_scatter", flat_in, output_tensors, -1, o.asyncOp,
+                           lambda b: b.reduce_scatter(output_tensors, input_tensors, o), output_tensors)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
+        o = _opts(_c10d.ReduceScatterOptions, opts)
+        return self._issue(HookOpName.REDUCE_SCATTER, "reduce_scatter_tensor", [input], [output], -1, o.asyncOp,
+                           lambda b: b._reduce_scatter_base(output, input, o), [output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: Tensors, inputs: Tensors, opts: Any = None) -> dist.Work:
+        o = _opts(_c10d.ReduceScatterOptions, opts)
+        return MultiWork([self.reduce_scatter_single(out, inp, o) for out, inp in zip(outputs, inputs)], outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def alltoall(self, output_tensors: Tensors, input_tensors: Tensors, opts: Any = None) -> Work:
+        o = _opts(_c10d.AllToAllOptions, opts)
+        return self._issue(HookOpName.ALLTOALL, "all_to_all", input_tensors, output_tensors, -1, o.asyncOp,
+                           lambda b: b.alltoall(output_tensors, input_tensors, o), output_tensors)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+        opts: Any = None,
+    ) -> Work:
+        o = _opts(_c10d.AllToAllOptions, opts)
+        outs, ins = list(output_split_sizes), list(input_split_sizes)
+        return self._issue(HookOpName.ALLTOALL, "all_to_all_single", [input], [output], -1, o.asyncOp,
+                           lambda b: b.alltoall_base(output, input, outs, ins, o), [output])
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts: Any = None) -> Work:
+        o = _opts(_c10d.BarrierOptions, opts)
+        return self._issue(HookOpName.BARRIER, "barrier", [], [], -1, o.asyncOp, lambda b: b.barrier(o), [])
+
+    # ---------------------------------------------------------------- p2p
+
+    def send(self, tensors: Any, dstRank: int, tag: int = 0) -> Work:
+        tensors = _as_list(tensors)
+        self._check_peer(dstRank, "send")
+        return self._issue(HookOpName.SEND, "send", tensors, [], dstRank, True,
+                           lambda b: b.send(tensors, dstRank, tag), tensors, p2p=True)
+
+    def recv(self, tensors: Any, srcRank: int, tag: int = 0) -> Work:
+        tensors = _as_list(tensors)
+        self._check_peer(srcRank, "recv")
+        return self._issue(HookOpName.RECV, "recv", [], tensors, srcRank, True,
+                           lambda b: b.recv(tensors, srcRank, tag), tensors, p2p=True)
+
+    def recv_anysource(self, tensors: Any, tag: int = 0) -> Work:
+        tensors = _as_list(tensors)
+        return self._issue(HookOpName.RECV, "recv_anysource", [], tensors, -1, True,
+                           lambda b: b.recv_anysource(tensors, tag), tensors, p2p=True)
+
+    def _check_peer(self, peer: int, op: str) -> None:
+        size = self.size()
+        if not 0 <= peer < size:
+            raise InvalidOptionError(f"{op}: peer rank {peer} is not in [0, {size}) of the current configuration")
+        if peer == self.rank():
+            raise InvalidOptionError(f"{op}: peer rank {peer} is this process's own rank")

@@ -1,0 +1,179 @@
+"""The ``Work`` every ftc10d op returns: the backend's work, with typed failures.
+
+``wait()`` blocks in the backend's own (GIL-free) wait. It needs no watchdog to
+be woken by an abort: aborting a configuration cuts its sockets, which makes
+every op of that configuration fail at once, and the failure is translated
+here into :class:`~ftc10d.types.ProcessGroupAborted`. A first failure of any
+other kind (timeout, peer gone) aborts the configuration, so that the other
+pending ops fail just as fast instead of each waiting out its own timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ftc10d.types import CollectiveError
+
+if TYPE_CHECKING:
+    from ftc10d.pg.generation import Generation
+
+
+class Work(dist.Work):
+    """A pending op of one configuration (generation)."""
+
+    def __init__(self, gen: "Generation", op: str, seq: int, inner: Any, result: Any) -> None:
+        super().__init__()
+        self._gen = gen
+        self._op = op
+        self._seq = seq
+        self._inner = inner
+        self._result = result
+        self._error: Optional[CollectiveError] = None
+
+    # -- introspection used by hooks and the flight recorder
+    @property
+    def op(self) -> str:
+        return self._op
+
+    @property
+    def seq(self) -> int:
+        return self._seq
+
+    @property
+    def uuid(self) -> Optional[int]:
+        return self._gen.uuid
+
+    def _translate(self, exc: BaseException, *, abort_inline: bool) -> CollectiveError:
+        if self._error is None:
+            self._error = self._gen.on_failure(self._op, self._seq, exc, abort_inline=abort_inline)
+        return self._error
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        if self._error is not None:
+            raise self._error
+        try:
+            if timeout is None or timeout == timedelta(0):
+                self._inner.wait()
+            else:
+                self._inner.wait(timeout)
+        except Exception as exc:  # the backend raises RuntimeError/DistBackendError
+            raise self._translate(exc, abort_inline=True) from exc
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed with the op's outputs, or with the typed error.
+
+        The callback runs on a backend thread, where a blocking abort could
+        deadlock (it waits for that very thread), so the abort it triggers runs
+        on a thread of its own.
+        """
+
+        def done(fut: torch.futures.Future) -> Any:
+            try:
+                fut.value()
+            except Exception as exc:
+                raise self._translate(exc, abort_inline=False) from exc
+            return self._result
+
+        return self._inner.get_future().then(done)
+
+    def is_completed(self) -> bool:
+        return bool(self._inner.is_completed())
+
+    def is_success(self) -> bool:
+        return self._error is None and bool(self._inner.is_success())
+
+    def exception(self) -> Optional[BaseException]:
+        if self._error is not None:
+            return self._error
+        return self._inner.exception()
+
+    def result(self) -> Any:
+        return self._result
+
+    def source_rank(self) -> int:
+        return int(self._inner.source_rank())
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def __repr__(self) -> str:
+        return f"ftc10d.Work({self._op} #{self._seq} of {self._gen.label})"
+
+
+class CompletedWork(dist.Work):
+    """A work that is already done (reconfigure, local no-ops)."""
+
+    def __init__(self, result: Any = None) -> None:
+        super().__init__()
+        self._result = result
+        self._fut: Optional[torch.futures.Future] = None
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._fut is None:
+                self._fut = torch.futures.Future()
+                self._fut.set_result(self._result)
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> Optional[BaseException]:
+        return None
+
+    def result(self) -> Any:
+        return self._result
+
+
+class MultiWork(dist.Work):
+    """Several backend works issued as one op (coalesced ops Gloo lacks natively)."""
+
+    def __init__(self, works: list[Work], result: Any) -> None:
+        super().__init__()
+        self._works = works
+        self._result = result
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        for w in self._works:
+            w.wait(timeout)
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        futs = [w.get_future() for w in self._works]
+        result = self._result
+
+        def done(all_done: torch.futures.Future) -> Any:
+            for f in all_done.value():
+                f.value()
+            return result
+
+        return torch.futures.collect_all(futs).then(done)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self._works)
+
+    def exception(self) -> Optional[BaseException]:
+        for w in self._works:
+            e = w.exception()
+            if e is not None:
+                return e
+        return None
+
+    def result(self) -> Any:
+        return self._result

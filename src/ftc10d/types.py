@@ -1,0 +1,244 @@
+"""Public types of ftc10d: torch 2.14's fault-tolerance contract, on any torch.
+
+The names and members mirror torch 2.14 (``torch._C._distributed_c10d``) so that
+code written for the native API keeps working. On torch 2.14 the hook argument
+types and enums *are* torch's; on 2.13 they are Python twins defined here.
+
+Every failure ftc10d raises derives from :class:`FTC10DError`, itself a
+``torch.distributed.DistError`` so existing ``except DistError`` handlers keep
+catching it. Failures of an operation carry ``op``, ``seq``, ``uuid`` and, when
+known, the failed ``peer`` rank (invariant 4 of the design).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ftc10d import _compat
+
+__all__ = [
+    "ReconfigureOptions",
+    "HookOpName",
+    "PreHookArgs",
+    "PostHookArgs",
+    "ErrorType",
+    "FTC10DError",
+    "NotConfiguredError",
+    "ReconfigureError",
+    "InvalidHandleError",
+    "DuplicateHandleError",
+    "MissingHandleError",
+    "UuidReusedError",
+    "ConfigurationMismatchError",
+    "ReconfigureTimeoutError",
+    "InvalidOptionError",
+    "CollectiveError",
+    "ProcessGroupAborted",
+    "CollectiveTimeoutError",
+    "PeerFailureError",
+    "CommunicationError",
+]
+
+
+# --------------------------------------------------------------------------- enums
+
+if _compat.TorchHookOpName is not None:
+    HookOpName = _compat.TorchHookOpName
+else:
+
+    class HookOpName(enum.Enum):  # type: ignore[no-redef]
+        """Which operation a pre/post hook sees (torch 2.14 members, same order)."""
+
+        SEND = 0
+        RECV = 1
+        BROADCAST = 2
+        ALLREDUCE = 3
+        REDUCE = 4
+        ALLGATHER = 5
+        REDUCE_SCATTER = 6
+        ALLTOALL = 7
+        BARRIER = 8
+        SCATTER = 9
+        GATHER = 10
+        SPLIT = 11
+        NEW_WINDOW = 12
+        UNKNOWN = 13
+
+
+if _compat.TorchErrorType is not None:
+    ErrorType = _compat.TorchErrorType
+else:
+
+    class ErrorType(enum.Enum):  # type: ignore[no-redef]
+        """Last error of a group, as ``ProcessGroup.get_error()`` reports it."""
+
+        SUCCESS = 0
+        TIMEOUT = 1
+        COMM_ERROR = 2
+        REMOTE_ERROR = 3
+
+
+# ----------------------------------------------------------------- hook arguments
+
+if _compat.TorchPreHookArgs is not None:
+    PreHookArgs = _compat.TorchPreHookArgs
+    PostHookArgs = _compat.TorchPostHookArgs
+else:
+
+    @dataclass
+    class PreHookArgs:  # type: ignore[no-redef]
+        """What a pre-hook sees before an op is handed to the backend."""
+
+        name: Any = None
+        async_op: bool = False
+        input_tensors: list[torch.Tensor] = field(default_factory=list)
+        output_tensors: list[torch.Tensor] = field(default_factory=list)
+        root: int = -1
+        op_id: int = 0
+
+    @dataclass
+    class PostHookArgs:  # type: ignore[no-redef]
+        """What a post-hook sees once the op was issued (not completed)."""
+
+        name: Any = None
+        async_op: bool = False
+        work: Optional[dist.Work] = None
+        op_id: int = 0
+
+
+def make_pre_hook_args(
+    name: Any,
+    async_op: bool,
+    input_tensors: list[torch.Tensor],
+    output_tensors: list[torch.Tensor],
+    root: int,
+    op_id: int,
+) -> Any:
+    """Build a ``PreHookArgs`` of whichever class is in use (torch's has no kwargs ctor)."""
+    args = PreHookArgs()
+    args.name = name
+    args.async_op = async_op
+    args.input_tensors = input_tensors
+    args.output_tensors = output_tensors
+    args.root = root
+    args.op_id = op_id
+    return args
+
+
+def make_post_hook_args(name: Any, async_op: bool, work: Optional[dist.Work], op_id: int) -> Any:
+    args = PostHookArgs()
+    args.name = name
+    args.async_op = async_op
+    args.work = work
+    args.op_id = op_id
+    return args
+
+
+# ------------------------------------------------------------ reconfigure options
+
+
+@dataclass
+class ReconfigureOptions:
+    """Arguments of ``ProcessGroup.reconfigure`` (same fields as torch 2.14's).
+
+    ``uuid`` identifies this instance of the communicator and must never have
+    been used before on the same store. ``handles`` lists one handle per member:
+    a ``list`` assigns ranks by position; a ``set`` assigns them in sorted order
+    of the handle strings, which every member computes identically.
+    ``timeout`` bounds the rendezvous (``None``: the group's timeout).
+    """
+
+    uuid: int
+    handles: Union[list[str], set[str], frozenset[str], tuple[str, ...]]
+    timeout: Optional[timedelta] = None
+    hints: dict[str, str] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------- exceptions
+
+
+class FTC10DError(dist.DistError):
+    """Base of every error ftc10d raises."""
+
+
+class NotConfiguredError(FTC10DError):
+    """An operation was issued before the group had a configuration."""
+
+
+class InvalidOptionError(FTC10DError, ValueError):
+    """An argument or option was not understood (unknown hint, wrong type...)."""
+
+
+class ReconfigureError(FTC10DError):
+    """``reconfigure()`` failed; the group keeps its previous configuration
+    when the failure was detected before the previous one was aborted."""
+
+
+class InvalidHandleError(ReconfigureError, ValueError):
+    """A reconfigure handle is malformed, or the handle list is empty."""
+
+
+class DuplicateHandleError(ReconfigureError, ValueError):
+    """The same handle appears twice in one handle list."""
+
+
+class MissingHandleError(ReconfigureError, ValueError):
+    """This group's own handle is not in the handle list it was given."""
+
+
+class UuidReusedError(ReconfigureError, ValueError):
+    """The uuid was used before for a configuration on this store."""
+
+
+class ConfigurationMismatchError(ReconfigureError):
+    """Members were given different handle lists for the same uuid."""
+
+
+class ReconfigureTimeoutError(ReconfigureError, TimeoutError):
+    """Not every member reached the rendezvous within the timeout."""
+
+
+class CollectiveError(FTC10DError):
+    """An operation failed. Names the op, its sequence number in its generation,
+    the generation uuid and, when known, the failed peer's rank."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        op: str = "",
+        seq: int = -1,
+        uuid: Optional[int] = None,
+        peer: Optional[int] = None,
+        error_type: Any = None,
+    ) -> None:
+        super().__init__(message)
+        self.op = op
+        self.seq = seq
+        self.uuid = uuid
+        self.peer = peer
+        self.error_type = error_type
+
+
+class ProcessGroupAborted(CollectiveError):
+    """The configuration the op belonged to was aborted (explicitly, by a
+    timeout, by a peer failure or by ``reconfigure``)."""
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """The op did not complete within its timeout; its configuration was aborted."""
+
+
+class PeerFailureError(CollectiveError):
+    """A peer closed or reset its connection (it died or aborted); the
+    configuration was aborted."""
+
+
+class CommunicationError(CollectiveError):
+    """The backend failed the op for a local reason; the configuration was aborted."""
