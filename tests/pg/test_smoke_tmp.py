@@ -1,22 +1,42 @@
+import os, signal, time
 from datetime import timedelta
 import torch, torch.distributed as dist
 import ftc10d
 from tests import harness
 
 
-def _basic(rank, world, port):
+def _handles(store, pg, rank, world, tag):
+    store.set(f"test/{tag}/{rank}", pg.get_reconfigure_handle())
+    keys = [f"test/{tag}/{r}" for r in range(world)]
+    store.wait(keys)
+    return [v.decode() for v in store.multi_get(keys)]
+
+
+def _shrink(rank, world, port):
     store = harness.client_store(port)
-    pg = ftc10d.ProcessGroup(store, rank, world, timeout=timedelta(seconds=20))
-    t = torch.full((4,), float(rank))
-    dist.all_reduce(t, group=pg)
-    out = torch.zeros(world * 2)
-    dist.all_gather_single(out, torch.full((2,), float(rank)), group=pg)
-    return t.tolist(), out.tolist(), dist.get_world_size(pg)
+    pg = ftc10d.ProcessGroup(store, rank, world, timeout=timedelta(seconds=5))
+    hs = _handles(store, pg, rank, world, "h")
+    t = torch.ones(2); dist.all_reduce(t, group=pg)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    w = pg.allreduce([torch.ones(1000)])
+    t0 = time.perf_counter()
+    try:
+        w.wait(); err = None
+    except Exception as e:
+        err = (type(e).__name__, str(e))
+    t1 = time.perf_counter()
+    survivors = [h for i, h in enumerate(hs) if i != 2]
+    ftc10d.reconfigure(7, survivors, group=pg)
+    t = torch.full((3,), float(pg.rank())); dist.all_reduce(t, group=pg)
+    return err, t1 - t0, pg.rank(), pg.size(), t.tolist()
 
 
-def test_basic():
-    res = harness.run(_basic, 3)
-    for r, (t, out, ws) in res.items():
-        assert t == [3.0] * 4
-        assert out == [0, 0, 1, 1, 2, 2]
-        assert ws == 3
+def test_shrink():
+    job = harness.start(_shrink, 4)
+    try:
+        res = job.collect([0, 1, 3], timeout=60)
+    finally:
+        job.close()
+    for r, v in res.items():
+        print(r, v)

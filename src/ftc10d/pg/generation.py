@@ -64,6 +64,7 @@ class Generation:
         handles: tuple[str, ...],
         global_ranks: tuple[int, ...],
         comm: GlooCommunicator,
+        store: dist.Store,
         fire_abort_hooks: Callable[[], None],
     ) -> None:
         self.uuid = uuid
@@ -73,6 +74,7 @@ class Generation:
         self.global_ranks = global_ranks
         self.comm = comm
         self.backend = comm.backend
+        self.store = store
         self.label = _label(uuid)
         self.collective_seq = 0
         self.p2p_seq = 0
@@ -120,11 +122,11 @@ class Generation:
                 op=op, seq=seq, uuid=self.uuid, error_type=ErrorType.TIMEOUT,
             )
         elif any(marker in text for marker in _PEER_ERROR_MARKERS):
-            peer = self.comm.peer_of_endpoint(text)
+            peer, why = self._root_cause(text)
             who = f"peer rank {peer}" if peer is not None else "a peer"
             err = PeerFailureError(
-                f"{where} failed: {who} closed its connection ({text}). It probably died or aborted; "
-                "the configuration was aborted. Reconfigure without it to continue.",
+                f"{where} failed: {who} {why} ({text}). The configuration was aborted; "
+                "reconfigure without the failed member to continue.",
                 op=op, seq=seq, uuid=self.uuid, peer=peer, error_type=ErrorType.REMOTE_ERROR,
             )
         else:
@@ -140,6 +142,28 @@ class Generation:
                 target=self.abort, args=(err.error_type, reason, err.peer), name="ftc10d-abort", daemon=True
             ).start()
         return err
+
+    def _root_cause(self, text: str) -> tuple[Optional[int], str]:
+        """Name the member that really failed, not the survivor that aborted first.
+
+        When a peer dies, its neighbours abort and cut their connections, so the
+        others see *those* neighbours close. Each aborting member records itself
+        under ``aborted/<rank>`` before cutting, and the first member that names a
+        dead peer records it under ``failed``; the rest read both.
+        """
+        try:
+            if self.store.check(["failed"]):
+                return int(self.store.get("failed")), "failed"
+            closer = self.comm.peer_of_endpoint(text)
+            if closer is None:
+                return None, "closed its connection"
+            if self.store.check([f"aborted/{closer}"]):
+                return closer, f"aborted the configuration ({self.store.get(f'aborted/{closer}').decode()})"
+            blamed = int(self.store.compare_set("failed", "", str(closer)).decode())
+            return blamed, "closed its connection: it died or was killed" if blamed == closer else "failed"
+        except Exception:  # the store may be unreachable too: naming the peer is best effort
+            logger.debug("could not determine the failed peer", exc_info=True)
+            return None, "closed its connection"
 
     # ------------------------------------------------------------------- abort
 
@@ -164,6 +188,10 @@ class Generation:
                 self._abort_done.wait()
             return False
         t0 = time.perf_counter()
+        try:
+            self.store.set(f"aborted/{self.rank}", reason)
+        except Exception:
+            logger.debug("could not announce the abort", exc_info=True)
         try:
             self._fire_abort_hooks()
         finally:
@@ -255,10 +283,13 @@ def rendezvous(
     finally:
         # From here on the uuid counts as used, whatever happens.
         store.set(f"{prefix}/sig", f"used:{sig}")
-    comm = GlooCommunicator(dist.PrefixStore(f"{prefix}/gloo", store), plan.rank, plan.size, plan.timeout)
+    gen_store = dist.PrefixStore(f"{prefix}/gloo", store)
+    comm = GlooCommunicator(gen_store, plan.rank, plan.size, plan.timeout)
     if op_timeout != plan.timeout:
         comm.backend.set_timeout(op_timeout)
-    return Generation(plan.uuid, plan.rank, plan.size, plan.handles, tuple(global_ranks), comm, fire_abort_hooks)
+    return Generation(
+        plan.uuid, plan.rank, plan.size, plan.handles, tuple(global_ranks), comm, gen_store, fire_abort_hooks
+    )
 
 
 def bootstrap(
@@ -279,5 +310,6 @@ def bootstrap(
     values = [v.decode().partition("|") for v in store.multi_get(keys)]
     handles = tuple(v[0] for v in values)
     global_ranks = tuple(int(v[2]) for v in values)
-    comm = GlooCommunicator(dist.PrefixStore(f"{prefix}/gloo", store), rank, size, timeout)
-    return Generation(None, rank, size, handles, global_ranks, comm, fire_abort_hooks)
+    gen_store = dist.PrefixStore(f"{prefix}/gloo", store)
+    comm = GlooCommunicator(gen_store, rank, size, timeout)
+    return Generation(None, rank, size, handles, global_ranks, comm, gen_store, fire_abort_hooks)

@@ -58,11 +58,15 @@ class _PairSocket:
     fd: int
     inode: int
     local: tuple[str, int]
-    remote: tuple[str, int]
+    remote: Optional[tuple[str, int]]  # None for the listener
+
+    @property
+    def is_listener(self) -> bool:
+        return self.remote is None
 
 
 def _describe(fd: int, inode: int) -> Optional[_PairSocket]:
-    """Return the pair-socket record for ``fd`` or None if it is not a connected TCP socket."""
+    """Return the record for ``fd`` or None if it is not a TCP socket (pair or listener)."""
     try:
         dup = os.dup(fd)
     except OSError:
@@ -74,9 +78,9 @@ def _describe(fd: int, inode: int) -> Optional[_PairSocket]:
         try:
             if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
                 return None
-            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                return None  # the listener: never shut down
             local = s.getsockname()[:2]
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                return _PairSocket(fd=fd, inode=inode, local=(str(local[0]), int(local[1])), remote=None)
             remote = s.getpeername()[:2]
         except OSError:
             return None
@@ -106,16 +110,18 @@ class GlooCommunicator:
             before = _socket_inodes()
             self.backend = dist.ProcessGroupGloo(store, rank, size, opts)
             after = _socket_inodes()
-        pairs = []
+        found = []
         for fd, inode in after.items():
             if before.get(fd) == inode:
                 continue
             rec = _describe(fd, inode)
             if rec is not None:
-                pairs.append(rec)
-        self._pairs: tuple[_PairSocket, ...] = tuple(pairs)
-        # Publish our end of every pair so peers can map an endpoint in an error to our rank.
-        store.set(f"ep/{rank}", ",".join(f"{p.local[0]}:{p.local[1]}" for p in pairs))
+                found.append(rec)
+        # The listener is never shut down: Gloo's event loop treats an error on it as fatal.
+        self._pairs: tuple[_PairSocket, ...] = tuple(p for p in found if not p.is_listener)
+        # Publish our endpoints (listener and our end of every pair) so that a peer can
+        # map the endpoint named in a Gloo error to our rank.
+        store.set(f"ep/{rank}", ",".join(f"{p.local[0]}:{p.local[1]}" for p in found))
 
     @property
     def num_pairs(self) -> int:
@@ -146,9 +152,10 @@ class GlooCommunicator:
         m = _ENDPOINT_RE.search(message)
         if m is None:
             return None
-        endpoint = f"{m.group(1)}:{m.group(2)}"
-        # Our own pair that talks to that endpoint tells us directly which peer it was
-        # only if we can map remote -> rank; the published endpoints do that.
+        port = int(m.group(2))
+        # Gloo prints the port in network byte order on little-endian hosts; accept both.
+        swapped = int.from_bytes(port.to_bytes(2, "big"), "little") if port < 65536 else port
+        candidates = {f"{m.group(1)}:{port}", f"{m.group(1)}:{swapped}"}
         try:
             keys = [f"ep/{r}" for r in range(self.size) if r != self.rank]
             values = self._store.multi_get(keys) if keys else []
@@ -156,6 +163,6 @@ class GlooCommunicator:
             logger.debug("could not read peer endpoints", exc_info=True)
             return None
         for key, value in zip(keys, values):
-            if endpoint in value.decode().split(","):
+            if candidates & set(value.decode().split(",")):
                 return int(key.split("/")[1])
         return None
