@@ -108,3 +108,15 @@ def run(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0) 
         return job.collect(timeout=timeout)
     finally:
         job.close()
+
+
+def exchange(store: dist.Store, tag: str, index: int, value: str, count: int) -> list[str]:
+    """All-gather a string through the store (the out-of-band exchange of handles)."""
+    store.set(f"test/{tag}/{index}", value)
+    keys = [f"test/{tag}/{i}" for i in range(count)]
+    store.wait(keys, timedelta(seconds=60))
+    return [v.decode() for v in store.multi_get(keys)]
+
+
+def store_barrier(store: dist.Store, tag: str, index: int, count: int) -> None:
+    exchange(store, tag, index, "1", count)

@@ -58,15 +58,15 @@ def update_ranks(pg: ProcessGroup) -> None:
     gen = pg.generation
     if gen is None:
         return
-    if _default_group() is pg:
-        mapping = {r: r for r in range(gen.size)}
-        c10d._world.pg_group_ranks[pg] = mapping
-        torch_set_global_rank = getattr(dist.distributed_c10d, "_update_default_pg", None)
-        if torch_set_global_rank is not None:
-            torch_set_global_rank(pg)
+    default = _default_group()
+    if default is None or default is pg:
+        # No other world to translate from: "global" ranks are the group's own,
+        # so dist.send(t, dst, group=pg) takes the current group rank.
+        c10d._world.pg_group_ranks[pg] = {r: r for r in range(gen.size)}
+        if default is pg:
+            c10d._update_default_pg(pg)  # refreshes torch's cached global rank
     else:
-        mapping = {g: r for r, g in enumerate(gen.global_ranks)}
-        c10d._world.pg_group_ranks[pg] = mapping
+        c10d._world.pg_group_ranks[pg] = {g: r for r, g in enumerate(gen.global_ranks)}
 
 
 def init_process_group(
