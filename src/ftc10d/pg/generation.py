@@ -122,19 +122,28 @@ class Generation:
                 op=op, seq=seq, uuid=self.uuid, error_type=ErrorType.TIMEOUT,
             )
         elif any(marker in text for marker in _PEER_ERROR_MARKERS):
-            peer, why = self._root_cause(text)
+            peer, why, closer_aborted = self._root_cause(text)
             who = f"peer rank {peer}" if peer is not None else "a peer"
-            err = PeerFailureError(
-                f"{where} failed: {who} {why} ({text}). The configuration was aborted; "
-                "reconfigure without the failed member to continue.",
-                op=op, seq=seq, uuid=self.uuid, peer=peer, error_type=ErrorType.REMOTE_ERROR,
-            )
+            if closer_aborted:
+                # A survivor aborted first and cut its connections: that is an abort, not a death.
+                err = ProcessGroupAborted(
+                    f"{where} was aborted: {why}. Reconfigure the group with a fresh uuid to continue.",
+                    op=op, seq=seq, uuid=self.uuid, peer=peer, error_type=ErrorType.REMOTE_ERROR,
+                )
+            else:
+                err = PeerFailureError(
+                    f"{where} failed: {who} {why} ({text}). The configuration was aborted; "
+                    "reconfigure without the failed member to continue.",
+                    op=op, seq=seq, uuid=self.uuid, peer=peer, error_type=ErrorType.REMOTE_ERROR,
+                )
         else:
             err = CommunicationError(
                 f"{where} failed: {text}. The configuration was aborted.",
                 op=op, seq=seq, uuid=self.uuid, error_type=ErrorType.COMM_ERROR,
             )
-        reason = f"{op} #{seq} failed ({type(err).__name__}{'' if err.peer is None else f', peer rank {err.peer}'})"
+        reason = f"{op} #{seq} failed: {type(err).__name__}{'' if err.peer is None else f' (peer rank {err.peer})'}"
+        if isinstance(err, ProcessGroupAborted):
+            reason = str(err).split(" was aborted: ", 1)[-1].split(". Reconfigure")[0]
         if abort_inline:
             self.abort(err.error_type, reason, err.peer)
         else:
@@ -143,27 +152,32 @@ class Generation:
             ).start()
         return err
 
-    def _root_cause(self, text: str) -> tuple[Optional[int], str]:
+    def _root_cause(self, text: str) -> tuple[Optional[int], str, bool]:
         """Name the member that really failed, not the survivor that aborted first.
 
         When a peer dies, its neighbours abort and cut their connections, so the
-        others see *those* neighbours close. Each aborting member records itself
-        under ``aborted/<rank>`` before cutting, and the first member that names a
-        dead peer records it under ``failed``; the rest read both.
+        others see *those* neighbours close. Each aborting member records why
+        under ``aborted/<rank>`` before cutting, and the first member that names
+        a dead peer records it under ``failed``; the rest read both.
+
+        Returns (failed peer or None, explanation, whether the closer had aborted).
         """
         try:
-            if self.store.check(["failed"]):
-                return int(self.store.get("failed")), "failed"
+            failed = int(self.store.get("failed")) if self.store.check(["failed"]) else None
             closer = self.comm.peer_of_endpoint(text)
+            if closer is not None and self.store.check([f"aborted/{closer}"]):
+                reason = self.store.get(f"aborted/{closer}").decode()
+                return failed, f"peer rank {closer} aborted the configuration ({reason})", True
+            if failed is not None:
+                return failed, "failed", False
             if closer is None:
-                return None, "closed its connection"
-            if self.store.check([f"aborted/{closer}"]):
-                return closer, f"aborted the configuration ({self.store.get(f'aborted/{closer}').decode()})"
+                return None, "closed its connection", False
             blamed = int(self.store.compare_set("failed", "", str(closer)).decode())
-            return blamed, "closed its connection: it died or was killed" if blamed == closer else "failed"
+            why = "closed its connection: it died or was killed" if blamed == closer else "failed"
+            return blamed, why, False
         except Exception:  # the store may be unreachable too: naming the peer is best effort
             logger.debug("could not determine the failed peer", exc_info=True)
-            return None, "closed its connection"
+            return None, "closed its connection", False
 
     # ------------------------------------------------------------------- abort
 

@@ -285,10 +285,10 @@ class ProcessGroup(dist.ProcessGroup):
             seq = gen.collective_seq
         try:
             inner = call(gen.backend)
-        except Exception as exc:
-            if gen.aborted:
-                raise gen.aborted_error(op, seq) from exc
-            raise
+        except (TypeError, ValueError):
+            raise  # bad arguments: the backend said so, nothing failed
+        except Exception as exc:  # a broken connection can surface at issue time
+            raise gen.on_failure(op, seq, exc, abort_inline=True) from exc
         gen.track(inner)
         work = Work(gen, op, seq, inner, result)
         if self._post_hooks.fns:

@@ -1,0 +1,73 @@
+# ftc10d developer entry points. `make demo` and `make test` are all a newcomer needs.
+#
+# The virtualenvs are built once and then reused: a stamp file inside each one
+# records a finished install, and is redone only when pyproject.toml changes.
+# torch is pinned to an exact version: a bare `pip install torch` would pull a
+# multi-GB CUDA build, while torch==2.13.0 resolves to the CPU wheel this
+# machine image provides (pip's find-links), which is all the Gloo tests need.
+
+PYTHON          ?= python3
+TORCH_VERSION   ?= 2.13.0
+TORCH214_VERSION ?= 2.14.1
+VENV            ?= .venv
+VENV214         ?= .venv214
+PIP_FLAGS       ?= --quiet
+PYTEST_ARGS     ?=
+
+STAMP    := $(VENV)/.ftc10d-installed
+STAMP214 := $(VENV214)/.ftc10d-installed
+
+.DEFAULT_GOAL := help
+.PHONY: help venv venv214 test test-torch214 demo bench clean distclean
+
+help:  ## list the targets
+	@echo "make demo            kill a rank of a 4-rank job and watch it recover in place"
+	@echo "make test            run the test suite (torch $(TORCH_VERSION) CPU, in $(VENV))"
+	@echo "make test-torch214   run the test suite on torch $(TORCH214_VERSION) (in $(VENV214))"
+	@echo "make bench           run the scripts in benchmarks/"
+	@echo "make venv            only build $(VENV)"
+	@echo "make clean           remove build outputs and caches (keeps the virtualenvs)"
+	@echo "make distclean       clean, and remove the virtualenvs too"
+
+venv: $(STAMP)
+venv214: $(STAMP214)
+
+# One rule per virtualenv: create, pin torch first (so resolving '.[test]' can
+# never swap it for another build), then install ftc10d editable with test extras.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install $(PIP_FLAGS) "torch==$(TORCH_VERSION)"
+	$(VENV)/bin/python -m pip install $(PIP_FLAGS) -e '.[test]'
+	@touch $@
+
+$(STAMP214): pyproject.toml
+	$(PYTHON) -m venv $(VENV214)
+	$(VENV214)/bin/python -m pip install $(PIP_FLAGS) "torch==$(TORCH214_VERSION)"
+	$(VENV214)/bin/python -m pip install $(PIP_FLAGS) -e '.[test]'
+	@touch $@
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests
+
+test-torch214: $(STAMP214)
+	$(VENV214)/bin/python -m pytest -q $(PYTEST_ARGS) tests
+
+demo: $(STAMP)
+	$(VENV)/bin/ftc10d demo
+
+# Every benchmarks/*.py that is not a helper module (leading underscore), from the
+# repository root so that `tests.harness` and `benchmarks` import as packages.
+bench: $(STAMP)
+	@set -e; found=0; \
+	for f in benchmarks/*.py; do \
+	  case "$$(basename "$$f")" in _*|'*.py') continue;; esac; \
+	  found=1; echo "== $$f"; PYTHONPATH=. $(VENV)/bin/python "$$f"; \
+	done; \
+	if [ $$found = 0 ]; then echo "no benchmarks in benchmarks/ yet"; fi
+
+clean:
+	rm -rf build dist src/*.egg-info .pytest_cache
+	find . -path ./$(VENV) -prune -o -path ./$(VENV214) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV) $(VENV214)

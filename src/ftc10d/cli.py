@@ -1,0 +1,139 @@
+"""The ``ftc10d`` command line: ``ftc10d demo | version`` (launch, trace, coordinator
+and bench come with their layers).
+
+Each subcommand is one function decorated with :func:`subcommand`, which
+declares its arguments next to it; adding a subcommand touches nothing else.
+A subcommand returns the process exit code. Heavy imports happen inside the
+subcommand, so ``ftc10d --help`` stays cheap for the layers that add their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+class _Arg:
+    """The arguments of one ``parser.add_argument`` call, kept for later."""
+
+    def __init__(self, *flags: str, **kwargs: Any) -> None:
+        self.flags = flags
+        self.kwargs = kwargs
+
+
+def arg(*flags: str, **kwargs: Any) -> _Arg:
+    """Declare an argument of a subcommand (same signature as ``add_argument``)."""
+    return _Arg(*flags, **kwargs)
+
+
+_SUBCOMMANDS: list[tuple[str, str, tuple[_Arg, ...], Handler]] = []
+
+
+def subcommand(name: str, help: str, *args: _Arg) -> Callable[[Handler], Handler]:
+    """Register ``fn`` as ``ftc10d <name>``; its docstring becomes the description."""
+
+    def register(fn: Handler) -> Handler:
+        _SUBCOMMANDS.append((name, help, args, fn))
+        return fn
+
+    return register
+
+
+# ================================================================ subcommands
+
+
+@subcommand(
+    "demo",
+    "kill a rank of a running job and watch the survivors reconfigure in place",
+    arg("--world-size", type=int, default=4, metavar="N", help="number of ranks (default: 4)"),
+    arg("--kill-rank", type=int, default=2, metavar="R", help="rank to SIGKILL (default: 2)"),
+    arg("--steps", type=int, default=20, metavar="N",
+        help="allreduce steps before the kill, and again after the reconfigure (default: 20)"),
+    arg("--timeout", type=float, default=60.0, metavar="SECONDS",
+        help="op and rendezvous timeout; also bounds the whole run (default: 60)"),
+    arg("--no-live", dest="live", action="store_false",
+        help="print the timeline once, sorted, at the end instead of as events arrive"),
+)
+def demo(args: argparse.Namespace) -> int:
+    """Host a TCPStore, start the ranks (each an ftc10d.ProcessGroup over Gloo)
+    allreducing in a loop, SIGKILL one of them, and show each survivor getting a
+    typed PeerFailureError naming the dead rank, agreeing on the survivors,
+    calling ftc10d.reconfigure with a fresh uuid and carrying on. Exits 0 only if
+    every survivor finished with correct allreduce results."""
+    if args.world_size < 2:
+        args.parser.error("--world-size must be at least 2 (one rank is killed)")
+    if not 0 <= args.kill_rank < args.world_size:
+        args.parser.error(f"--kill-rank must be in [0, {args.world_size})")
+    if args.steps < 1:
+        args.parser.error("--steps must be at least 1")
+    if args.timeout <= 0:
+        args.parser.error("--timeout must be positive")
+    from ftc10d.examples import reconfigure_after_kill  # imports torch: only once the arguments are good
+
+    return reconfigure_after_kill.main(
+        world_size=args.world_size,
+        kill_rank=args.kill_rank,
+        steps=args.steps,
+        live=args.live,
+        timeout_s=args.timeout,
+        log_level=logging.INFO if args.verbose else None,
+    )
+
+
+@subcommand("version", "print the versions of ftc10d, torch and Python, and what this torch supports natively")
+def version(args: argparse.Namespace) -> int:
+    """Print versions; the native-contract line tells whether torch itself has
+    the 2.14 reconfigure API (ftc10d provides it either way)."""
+    import platform
+
+    import torch
+
+    import ftc10d
+    from ftc10d import _compat
+
+    native = "yes" if _compat.HAS_NATIVE_RECONFIGURE else "no (ftc10d provides it)"
+    print(f"ftc10d {ftc10d.__version__}")
+    print(f"torch {torch.__version__}")
+    print(f"python {platform.python_version()}")
+    print(f"torch has the reconfigure contract natively: {native}")
+    return 0
+
+
+# ===================================================================== entry
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ftc10d",
+        description="ftc10d: PyTorch distributed training that survives the loss of a rank, in place.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log the ftc10d library at INFO to stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, help, args, fn in _SUBCOMMANDS:
+        p = sub.add_parser(name, help=help, description=fn.__doc__)
+        for a in args:
+            p.add_argument(*a.flags, **a.kwargs)
+        p.set_defaults(handler=fn, parser=p)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console-script entry point (``ftc10d``, ``python -m ftc10d``); returns the exit code."""
+    # Gloo's errors end in an emoji; never let a narrow stdout encoding turn a report into a crash.
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
+    args = build_parser().parse_args(argv)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s: %(message)s")
+    handler: Handler = args.handler
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""abort(), timeouts and peer failures: every pending wait raises, promptly, and
+no op of an aborted configuration writes into a user tensor (invariant 2)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ftc10d
+from tests import harness
+
+T = timedelta(seconds=30)
+N = 1 << 16  # elements per tensor: large enough that ops span many socket reads
+
+
+def _pending_ops(pg: ftc10d.ProcessGroup, frozen: int) -> dict[str, tuple[torch.Tensor, dist.Work]]:
+    """Issue one async op of each kind that must block on the frozen peer."""
+    me, n = pg.rank(), pg.size()
+    ops: dict[str, tuple[torch.Tensor, dist.Work]] = {}
+    t = torch.full((N,), float(me))
+    ops["all_reduce"] = (t, dist.all_reduce(t, group=pg, async_op=True))
+    out = torch.full((N * n,), -1.0)
+    ops["all_gather"] = (out, dist.all_gather_into_tensor(out, torch.full((N,), float(me)), group=pg, async_op=True))
+    b = torch.full((N,), -2.0)
+    ops["broadcast"] = (b, dist.broadcast(b, src=frozen, group=pg, async_op=True))
+    r = torch.full((N,), -3.0)
+    ops["recv"] = (r, dist.irecv(r, src=frozen, group=pg))
+    return ops
+
+
+def _abort_frozen(rank: int, world: int, port: int) -> dict:
+    store = harness.client_store(port)
+    pg = ftc10d.ProcessGroup(store, rank, world, timeout=T)
+    frozen = world - 1
+    handles = harness.exchange(store, "h", rank, pg.get_reconfigure_handle(), world)
+    hook_calls: list[float] = []
+    pg.register_abort_hook(1, lambda: hook_calls.append(time.perf_counter()))
+    harness.store_barrier(store, "ready", rank, world)
+    if rank == frozen:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        # resumed by the test after the others aborted: try hard to write into their tensors
+        harness.store_barrier(store, "resumed", 0, 1)
+        me = pg.rank()
+        attempts = {
+            "all_reduce": lambda: dist.all_reduce(torch.full((N,), 1000.0), group=pg, async_op=True),
+            "all_gather": lambda: dist.all_gather_into_tensor(
+                torch.empty(N * world), torch.full((N,), 1000.0), group=pg, async_op=True
+            ),
+            "broadcast": lambda: dist.broadcast(torch.full((N,), 1000.0), src=me, group=pg, async_op=True),
+        }
+        for p in range(world - 1):
+            attempts[f"send{p}"] = lambda p=p: dist.isend(torch.full((N,), 1000.0), dst=p, group=pg)
+        errors = []
+        for name, attempt in attempts.items():
+            try:
+                attempt().wait()
+                errors.append((name, None))
+            except ftc10d.CollectiveError as e:
+                errors.append((name, type(e).__name__))
+        return {"frozen_side": errors}
+    ops = _pending_ops(pg, frozen)
+    time.sleep(0.3)
+    assert not any(w.is_completed() for _, w in ops.values()), "ops should block on the frozen peer"
+    raised: dict[str, tuple[str, float]] = {}
+
+    def waiter(name: str, work: dist.Work) -> None:
+        try:
+            work.wait()
+            raised[name] = ("completed", time.perf_counter())
+        except Exception as e:  # noqa: BLE001 - recorded for the assertions
+            raised[name] = (type(e).__name__, time.perf_counter())
+
+    threads = [threading.Thread(target=waiter, args=(k, w)) for k, (_, w) in ops.items()]
+    for th in threads:
+        th.start()
+    time.sleep(0.2)
+    t0 = time.perf_counter()
+    pg.abort()
+    t_abort = time.perf_counter() - t0
+    snapshot = {k: t.clone() for k, (t, _) in ops.items()}
+    for th in threads:
+        th.join(10)
+    with pytest.raises(ftc10d.ProcessGroupAborted, match="was aborted"):
+        dist.all_reduce(torch.ones(1), group=pg)
+    # Let the frozen peer run and send everything it can; nothing may land.
+    harness.store_barrier(store, "aborted", rank, world - 1)
+    harness.store_barrier(store, "checked", rank, world - 1)  # the test resumes the peer in between
+    time.sleep(1.0)
+    unchanged = {k: bool(torch.equal(t, snapshot[k])) for k, (t, _) in ops.items()}
+    ftc10d.reconfigure(1, handles[:-1], group=pg)
+    t = torch.ones(2)
+    dist.all_reduce(t, group=pg)
+    return {
+        "raised": {k: v[0] for k, v in raised.items()},
+        "latency": max(v[1] for v in raised.values()) - t0,
+        "abort_call": t_abort,
+        "hooks": len(hook_calls),
+        "unchanged": unchanged,
+        "error": pg.get_error(),
+        "after": t.tolist(),
+    }
+
+
+def test_abort_with_frozen_peer_unblocks_every_wait_and_fences_old_tensors() -> None:
+    world = 4
+    job = harness.start(_abort_frozen, world)
+    try:
+        store = job.store
+        store.wait([f"test/aborted/{r}" for r in range(world - 1)], timedelta(seconds=60))
+        job.signal(world - 1, signal.SIGCONT)
+        harness.store_barrier(store, "resumed", 0, 1)
+        time.sleep(0.5)
+        for r in range(world - 1):
+            store.set(f"test/checked/{r}", "1")
+        res = job.collect(timeout=90)
+    finally:
+        job.close()
+    for r in range(world - 1):
+        v = res[r]
+        assert v["raised"] == {k: "ProcessGroupAborted" for k in ("all_reduce", "all_gather", "broadcast", "recv")}
+        assert v["latency"] < 2.0, v  # generous bound; the benchmark measures the real figure
+        assert v["hooks"] == 1
+        assert all(v["unchanged"].values()), v["unchanged"]
+        assert v["after"] == [3.0, 3.0]
+    # the resumed peer's own ops fail instead of reaching anyone
+    assert all(err is not None for _, err in res[world - 1]["frozen_side"]), res[world - 1]
+
+
+def _abort_killed(rank: int, world: int, port: int) -> tuple:
+    store = harness.client_store(port)
+    pg = ftc10d.ProcessGroup(store, rank, world, timeout=T)
+    handles = harness.exchange(store, "h", rank, pg.get_reconfigure_handle(), world)
+    if rank == 2:
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    w = dist.all_reduce(torch.ones(N), group=pg, async_op=True)
+    t0 = time.perf_counter()
+    try:
+        w.wait()
+        name, peer = "completed", None
+    except ftc10d.CollectiveError as e:
+        name, peer = type(e).__name__, e.peer
+    elapsed = time.perf_counter() - t0
+    error = pg.get_error()
+    pg.abort()  # after a failure abort is a harmless no-op
+    ftc10d.reconfigure(1, [h for i, h in enumerate(handles) if i != 2], group=pg)
+    return name, peer, elapsed, error, pg.get_error()
+
+
+def test_killed_peer_fails_pending_wait_with_its_rank() -> None:
+    job = harness.start(_abort_killed, 3)
+    try:
+        res = job.collect([0, 1], timeout=60)
+    finally:
+        job.close()
+    for name, peer, elapsed, error, after in res.values():
+        assert (name, peer) == ("PeerFailureError", 2)
+        assert elapsed < 5.0
+        assert error == ftc10d.ErrorType.REMOTE_ERROR
+        assert after == ftc10d.ErrorType.SUCCESS
+
+
+def _timeout(rank: int, world: int, port: int) -> dict:
+    store = harness.client_store(port)
+    pg = ftc10d.ProcessGroup(store, rank, world, timeout=timedelta(seconds=1))
+    handles = harness.exchange(store, "h", rank, pg.get_reconfigure_handle(), world)
+    fired: list[bool] = []
+    pg.register_abort_hook(7, lambda: fired.append(pg.generation.aborted))
+    dist.all_reduce(torch.ones(4), group=pg)
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return {}
+    t0 = time.perf_counter()
+    with pytest.raises((ftc10d.CollectiveTimeoutError, ftc10d.PeerFailureError, ftc10d.ProcessGroupAborted)) as info:
+        dist.all_reduce(torch.ones(N), group=pg)
+    elapsed = time.perf_counter() - t0
+    err = info.value
+    out = {
+        "type": type(err).__name__,
+        "op": err.op,
+        "seq": err.seq,
+        "uuid": err.uuid,
+        "msg": str(err),
+        "elapsed": elapsed,
+        "error": pg.get_error(),
+        "hooks": list(fired),
+    }
+    ftc10d.reconfigure(2, handles[:-1], group=pg)
+    t = torch.ones(3)
+    dist.all_reduce(t, group=pg)
+    out["after"] = t.tolist()
+    return out
+
+
+def test_timeout_aborts_and_names_op_then_group_recovers() -> None:
+    world = 3
+    job = harness.start(_timeout, world)
+    try:
+        res = job.collect(list(range(world - 1)), timeout=60)
+    finally:
+        job.close()
+    types = {v["type"] for v in res.values()}
+    # At least one member times out itself; the others may see its abort first.
+    assert "CollectiveTimeoutError" in types, res
+    for v in res.values():
+        assert (v["op"], v["seq"], v["uuid"]) == ("all_reduce", 2, None)
+        assert "all_reduce #2" in v["msg"]
+        assert 0.5 < v["elapsed"] < 10.0
+        assert v["hooks"] == [False]  # fired once, before the abort took effect
+        assert v["after"] == [2.0] * 3
+    timed_out = [v for v in res.values() if v["type"] == "CollectiveTimeoutError"]
+    assert all(v["error"] == ftc10d.ErrorType.TIMEOUT for v in timed_out)
