@@ -9,10 +9,11 @@ thread on each survivor calls ``pg.abort()``; the main thread, blocked in
 (same process, same clock). Then the parent SIGCONTs the frozen rank and all
 ranks reconfigure to a fresh uuid for the next trial.
 
-Native side (torch >= 2.14): the same with a plain ``ProcessGroupGloo`` and its
-``abort()``, with a bounded wait -- if ``wait()`` has not returned 5 s after
-``abort()``, the trial is reported as "did not return within 5 s" (the stuck
-wait is abandoned and the worker is killed at the end).
+Native side (torch >= 2.14): the same with torch's own ``ProcessGroupGloo`` and
+its ``abort()``, both a plain group ("native") and one in torch 2.14's
+reconfigure regime ("native-reconf"), with a bounded wait: if ``wait()`` has
+not returned 5 s after ``abort()``, the trial is reported as "did not return
+within 5 s" (the stuck wait is abandoned and the worker exits at the end).
 
     python benchmarks/abort.py [--ranks 4] [--trials 9] [--native-trials 2] [--json out.json]
 """
@@ -51,6 +52,8 @@ from benchmarks._common import (  # noqa: E402
 TARGET_MS = 50.0
 ABORT_AFTER_S = 0.2
 NATIVE_BOUND_S = 5.0
+#: "native": a plain ProcessGroupGloo; "native-reconf": one in torch 2.14's reconfigure regime.
+NATIVE_KINDS = ("native", "native-reconf")
 
 
 def _freeze_self(store: dist.Store, key: str) -> None:
@@ -107,7 +110,7 @@ def worker(rank: int, world: int, port: int, trials: int, native_trials: int) ->
     frozen = world - 1
     timeout = timedelta(seconds=60)
     pg = ftc10d.ProcessGroup(dist.PrefixStore("ftc10d", store), rank, world, timeout=timeout, enable_reconfigure=True)
-    results: dict[str, Any] = {"ftc10d": [], "native": []}
+    results: dict[str, Any] = {"ftc10d": [], **{k: [] for k in NATIVE_KINDS}}
     warm = torch.ones(1024)
 
     for trial in range(trials):
@@ -123,22 +126,39 @@ def worker(rank: int, world: int, port: int, trials: int, native_trials: int) ->
         results["ftc10d"].append(res)
         store.add(f"{name}/done", 1)
 
-    for trial in range(native_trials):
-        name = f"native/{trial}"
-        # A fresh plain Gloo group per trial: after a native abort the old one is not reusable.
-        nat = gloo_backend(dist.PrefixStore(name, store), rank, world, timedelta(seconds=60))
-        nat.allreduce([warm]).wait()
-        store_barrier(store, name, world)
-        if rank == frozen:
-            _freeze_self(store, f"{name}/frozen")
-        else:
-            res = _hung_trial(store, name, lambda t: nat.allreduce([t]), nat.abort, bound_s=NATIVE_BOUND_S)
-            results["native"].append(res)
-            store.set(f"{name}/stuck/{rank}", "0" if res["raised"] or res["completed_ok"] else "1")
-            store.add(f"{name}/done", 1)
-        if _native_stuck(store, name, world):
-            break  # a wait is still stuck in a thread of ours: report once, do not pile up more
+    for kind in NATIVE_KINDS if native_trials else ():
+        for trial in range(native_trials):
+            name = f"{kind}/{trial}"
+            nat = _native_group(store, name, rank, world, reconfigure=kind == "native-reconf")
+            nat.allreduce([warm]).wait()
+            store_barrier(store, name, world)
+            if rank == frozen:
+                _freeze_self(store, f"{name}/frozen")
+            else:
+                res = _hung_trial(store, name, lambda t: nat.allreduce([t]), nat.abort, bound_s=NATIVE_BOUND_S)
+                results[kind].append(res)
+                store.set(f"{name}/stuck/{rank}", "0" if res["raised"] or res["completed_ok"] else "1")
+                store.add(f"{name}/done", 1)
+            if _native_stuck(store, name, world):
+                break  # a wait is still stuck in a thread of ours: report once, do not pile up more
     return results
+
+
+def _native_group(store: dist.Store, name: str, rank: int, world: int, reconfigure: bool) -> Any:
+    """A fresh torch Gloo group per trial (an aborted one is not reusable): plain, or in
+    torch 2.14's reconfigure regime (created with enable_reconfigure, then reconfigured)."""
+    timeout = timedelta(seconds=60)
+    if not reconfigure:
+        return gloo_backend(dist.PrefixStore(name, store), rank, world, timeout)
+    from torch._C._distributed_c10d import ReconfigureOptions
+
+    nat = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world, timeout, True)
+    o = ReconfigureOptions()
+    o.uuid = 1 + int(name.rsplit("/", 1)[1])
+    o.handles = exchange(store, f"{name}/handles", rank, world, nat.get_reconfigure_handle())
+    o.timeout = timeout
+    nat.reconfigure(o).wait()
+    return nat
 
 
 def _native_stuck(store: dist.Store, name: str, world: int) -> bool:
@@ -152,7 +172,8 @@ def _parent_loop(job: Any, world: int, trials: int, native_trials: int) -> None:
     """Resume the frozen rank after each trial (it cannot resume itself)."""
     frozen = world - 1
     store = job.store
-    plan = [f"ftc10d/{t}" for t in range(trials)] + [f"native/{t}" for t in range(native_trials)]
+    plan = [f"ftc10d/{t}" for t in range(trials)]
+    plan += [f"{k}/{t}" for k in NATIVE_KINDS for t in range(native_trials)]
 
     def until(cond: Callable[[], bool]) -> bool:
         deadline = time.monotonic() + 120
@@ -162,15 +183,19 @@ def _parent_loop(job: Any, world: int, trials: int, native_trials: int) -> None:
             time.sleep(0.005)
         return True
 
+    skip: set[str] = set()
     for name in plan:
+        kind = name.split("/")[0]
+        if kind in skip:
+            continue
         if not until(lambda: store.check([f"{name}/frozen"])):
             return
         wait_stopped(job.pid(frozen))
         if not until(lambda: int(store.add(f"{name}/done", 0)) >= world - 1):
             return
         os.kill(job.pid(frozen), signal.SIGCONT)
-        if name.startswith("native/") and _native_stuck(store, name, world):
-            return
+        if kind in NATIVE_KINDS and _native_stuck(store, name, world):
+            skip.add(kind)  # the workers stop this kind after a stuck trial too
 
 
 def _stats(samples: list[Optional[float]]) -> dict[str, Any]:
@@ -189,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--trials", type=int, default=9, help="ftc10d trials (each: freeze, hang, abort, resume)")
     ap.add_argument("--native-trials", type=int, default=2,
-                    help="native Gloo trials (torch >= 2.14); stops after the first one that hangs")
+                    help="native Gloo trials per kind (torch >= 2.14); a kind stops after its first hung trial")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     native_trials = args.native_trials if HAS_NATIVE_RECONFIGURE else 0
@@ -205,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
     survivors = [r for r in range(args.ranks - 1)]
     flat: dict[str, list[dict[str, Any]]] = {
-        impl: [t for r in survivors for t in res[r][impl]] for impl in ("ftc10d", "native")
+        impl: [t for r in survivors for t in res[r][impl]] for impl in ("ftc10d", *NATIVE_KINDS)
     }
     summary: dict[str, Any] = {}
     for impl, trials in flat.items():
@@ -223,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         return "-" if v is None else f"{v:.2f}"
 
     rows = []
-    for impl in ("ftc10d", "native"):
+    for impl in ("ftc10d", *NATIVE_KINDS):
         if impl not in summary:
             continue
         s = summary[impl]
@@ -232,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         if r["returned"] == r["n"]:
             lat = [cell(r["p50_ms"]), cell(r["p90_ms"]), cell(r["max_ms"])]
         elif r["returned"] == 0:
-            bound = NATIVE_BOUND_S if impl == "native" else 30.0
+            bound = NATIVE_BOUND_S if impl in NATIVE_KINDS else 30.0
             lat = [f"did not return within {bound:g} s", "-", "-"]
         else:
             lat = [cell(r["p50_ms"]) + f" ({r['returned']}/{r['n']} returned)", cell(r["p90_ms"]), cell(r["max_ms"])]

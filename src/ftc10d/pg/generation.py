@@ -93,10 +93,12 @@ class Generation:
     def track(self, inner: Any) -> None:
         """Remember a backend work until it completes, so abort can drain it."""
         pending = self._pending
+        # Completed works hold their tensors: let them go as soon as possible.
+        while pending and pending[0].is_completed():
+            pending.popleft()
         pending.append(inner)
-        if len(pending) > 32:
-            while pending and pending[0].is_completed():
-                pending.popleft()
+        if len(pending) > 64:  # a long-running op at the front blocks front pruning
+            self._pending = deque(w for w in pending if not w.is_completed())
 
     def aborted_error(self, op: str, seq: int) -> ProcessGroupAborted:
         return ProcessGroupAborted(
@@ -163,13 +165,12 @@ class Generation:
         Returns (failed peer or None, explanation, whether the closer had aborted).
         """
         try:
-            failed = int(self.store.get("failed")) if self.store.check(["failed"]) else None
+            if self.store.check(["failed"]):  # a member already named the dead peer
+                return int(self.store.get("failed")), "failed", False
             closer = self.comm.peer_of_endpoint(text)
             if closer is not None and self.store.check([f"aborted/{closer}"]):
                 reason = self.store.get(f"aborted/{closer}").decode()
-                return failed, f"peer rank {closer} aborted the configuration ({reason})", True
-            if failed is not None:
-                return failed, "failed", False
+                return None, f"peer rank {closer} aborted the configuration ({reason})", True
             if closer is None:
                 return None, "closed its connection", False
             blamed = int(self.store.compare_set("failed", "", str(closer)).decode())

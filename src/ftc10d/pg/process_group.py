@@ -99,6 +99,8 @@ class ProcessGroup(dist.ProcessGroup):
             raise InvalidOptionError(f"rank {rank} is not in [0, world_size={world_size})")
         super().__init__(rank, world_size)  # the (store, rank, size) overload has no Python trampoline
         self._store = store
+        self._group_name = ""
+        self._group_desc = ""
         self._init_rank = rank
         self._init_size = world_size
         self._backend_name = backend
@@ -136,11 +138,34 @@ class ProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return "ftc10d"
 
+    # torch keeps a group's name on its backends, and ours has none registered:
+    # these overrides (reached through torch's PyProcessGroup trampoline) keep it here.
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupName(self, group_name: str) -> None:
+        self._group_name = group_name
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def setGroupDesc(self, group_desc: str) -> None:
+        self._group_desc = group_desc
+
     def _get_backend_name(self) -> str:
         return "ftc10d"
 
     def name(self) -> str:
         return "ftc10d"
+
+    def _get_backend(self, device: Any = None) -> Any:
+        """The current configuration's Gloo backend, for torch helpers that ask
+        for capabilities (``supports_coalescing``...). Ops issued on it directly
+        bypass ftc10d's hooks, sequence numbers and failure typing."""
+        gen = self._gen
+        if gen is None:
+            raise NotConfiguredError("this ftc10d group has no configuration yet; call reconfigure() first")
+        return gen.backend
 
     @property
     def timeout(self) -> timedelta:
