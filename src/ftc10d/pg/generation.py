@@ -11,7 +11,10 @@ Store layout of a rendezvous (keys under the group's store)::
     ftc10d/cfg/<uuid>/sig          sha256 of the ordered handles, claimed with compare_set;
                                    "used:<sig>" once the members have met (reuse detection)
     ftc10d/cfg/<uuid>/rank/<r>     "<handle>|<global rank>" written by rank r on arrival
-    ftc10d/cfg/<uuid>/gloo/...     Gloo's own keys, and "ep/<r>": rank r's socket endpoints
+    ftc10d/cfg/<uuid>/gloo/...     Gloo's own keys, and "ep/<r>": rank r's socket endpoints;
+                                   "aborted/<r>" why rank r aborted; "failed": the dead peer
+    ftc10d/init/count/<r>          how many groups rank r bootstrapped on this store
+    ftc10d/init/<n>/...            the same layout for the n-th initial configuration
 """
 
 from __future__ import annotations
@@ -220,6 +223,16 @@ class Generation:
         )
         return True
 
+    def retire(self) -> None:
+        """Drop the (aborted) backend on a background thread.
+
+        Destroying a ``ProcessGroupGloo`` joins its worker threads and closes its
+        sockets, a few milliseconds that do not belong on the reconfigure path.
+        """
+        backend, self.backend, self.comm.backend = self.backend, None, None
+        if backend is not None:
+            threading.Thread(target=_release, args=(backend,), name="ftc10d-retire", daemon=True).start()
+
     def _drain(self) -> None:
         deadline = time.monotonic() + ABORT_DRAIN_TIMEOUT.total_seconds()
         while self._pending:
@@ -232,6 +245,10 @@ class Generation:
                 inner.wait(timedelta(seconds=left))
             except Exception:
                 pass  # failing is what we expect of them
+
+
+def _release(backend: Any) -> None:
+    """The thread's reference to ``backend`` is the last one; it goes when the thread ends."""
 
 
 # ------------------------------------------------------------------- rendezvous
@@ -318,7 +335,10 @@ def bootstrap(
 ) -> Generation:
     """The initial configuration of a group built with ``enable_reconfigure=False``:
     ranks come from the constructor, like ``ProcessGroupGloo``."""
-    prefix = f"{KEY_ROOT}/init"
+    # Like torch's group counter: the n-th group a rank bootstraps on this store
+    # meets the n-th group of every other rank, so groups sharing a store do not collide.
+    nth = store.add(f"{KEY_ROOT}/init/count/{rank}", 1)
+    prefix = f"{KEY_ROOT}/init/{nth}"
     keys = [f"{prefix}/rank/{r}" for r in range(size)]
     store.set(keys[rank], f"{handle}|{global_rank}")
     store.wait(keys, timeout)

@@ -113,7 +113,6 @@ class ProcessGroup(dist.ProcessGroup):
         self._abort_hooks = HookRegistry("abort")
         self._pre_hooks = HookRegistry("pre")
         self._post_hooks = HookRegistry("post")
-        self._last_error: Any = ErrorType.SUCCESS
         self._group_id = next(_group_ids)
         self._on_reconfigure: list[Callable[["ProcessGroup"], None]] = []
         from ftc10d.pg import c10d  # late: c10d imports this module
@@ -216,7 +215,8 @@ class ProcessGroup(dist.ProcessGroup):
 
             gen = rendezvous(self._store, plan, c10d.global_rank(self), self._timeout, self._fire_abort_hooks)
             self._gen = gen
-            self._last_error = ErrorType.SUCCESS
+            if old is not None:
+                old.retire()
             c10d.update_ranks(self)
         logger.info("reconfigured to %s: rank %d of %d", gen.label, gen.rank, gen.size)
         for fn in list(self._on_reconfigure):
