@@ -6,12 +6,12 @@ rank never takes the rendezvous down), starts ``world_size`` worker processes,
 and, once every rank has done ``steps`` correct allreduces, SIGKILLs one of them.
 Each survivor then
 
-1. sees a typed error naming the dead rank in ``.peer``: a
-   :class:`ftc10d.PeerFailureError` if its own connection to the dead rank
-   broke first, a :class:`ftc10d.ProcessGroupAborted` if a survivor that had
-   already aborted cut its connection first. Either way its pending allreduce
-   fails within milliseconds instead of hanging until the timeout, and the
-   generation is aborted (the abort hook fires),
+1. sees a typed :class:`ftc10d.PeerFailureError` naming the dead rank in
+   ``.peer`` (even when what it saw break was its connection to a survivor
+   that aborted first: the first member to name the dead rank records it in
+   the store). Its pending allreduce fails within milliseconds instead of
+   hanging until the timeout, and the generation is aborted (the abort hook
+   fires),
 2. agrees with the other survivors on the new member list through the store
    (each writes its reconfigure handle under a key of the next uuid and waits
    for the others'; the demo knows which rank it killed, real membership
@@ -331,8 +331,8 @@ def _summary(cfg: DemoConfig, states: dict[int, RankState], kill_t: Optional[flo
                 and states[r].error.data.get("peer") not in (None, cfg.kill_rank)]
     if any(states[r].error is not None and states[r].error.data.get("type") == "ProcessGroupAborted"
            for r in cfg.survivors):
-        print("  ProcessGroupAborted: a survivor aborted first and cut its connection to this rank; "
-              "its .peer still names the dead rank", file=out)
+        print("  ProcessGroupAborted: another member's abort cut this rank's connection before anyone "
+              "had named the dead rank", file=out)
     if misnamed:
         print(f"  note: rank(s) {misnamed} named another peer than the killed rank {cfg.kill_rank}", file=out)
     if all_ok:

@@ -52,6 +52,12 @@ ABORT_DRAIN_TIMEOUT = timedelta(seconds=10)
 _PEER_ERROR_MARKERS = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "Read error", "Write error", "EOF")
 
 
+def is_communication_failure(exc: BaseException) -> bool:
+    """Whether a backend error is a failed connection or a timeout (vs. rejected arguments)."""
+    text = str(exc)
+    return "timed out" in text.lower() or any(marker in text for marker in _PEER_ERROR_MARKERS)
+
+
 def _label(uuid: Optional[int]) -> str:
     return "the initial configuration" if uuid is None else f"generation {uuid}"
 
@@ -185,7 +191,7 @@ class Generation:
 
     # ------------------------------------------------------------------- abort
 
-    def abort(self, error_type: Any, reason: str, failed_peer: Optional[int] = None) -> bool:
+    def abort(self, error_type: Any, reason: str, failed_peer: Optional[int] = None, *, hooks: bool = True) -> bool:
         """Abort once: hooks, then cut the sockets, then drain every pending op.
 
         Returns True for the call that did the abort. A concurrent caller waits
@@ -211,7 +217,8 @@ class Generation:
         except Exception:
             logger.debug("could not announce the abort", exc_info=True)
         try:
-            self._fire_abort_hooks()
+            if hooks:
+                self._fire_abort_hooks()
         finally:
             self.aborted = True
             cut = self.comm.shutdown_pairs()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch._C._distributed_c10d as _c10d
 
 from ftc10d.pg import handles as _handles
-from ftc10d.pg.generation import Generation, bootstrap, claim_uuid, rendezvous
+from ftc10d.pg.generation import Generation, bootstrap, claim_uuid, is_communication_failure, rendezvous
 from ftc10d.pg.hooks import HookRegistry
 from ftc10d.pg.work import CompletedWork, MultiWork, Work
 from ftc10d.types import (
@@ -134,6 +134,14 @@ class ProcessGroup(dist.ProcessGroup):
         gen = self._gen
         return gen.size if gen is not None else self._init_size
 
+    # torch's C++ callers (DDP's reducer, _verify_params_across_processes) ask
+    # getRank()/getSize() through the trampoline: they must follow reconfigures too.
+    def getRank(self) -> int:
+        return self.rank()
+
+    def getSize(self) -> int:
+        return self.size()
+
     def getBackendName(self) -> str:
         return "ftc10d"
 
@@ -232,9 +240,11 @@ class ProcessGroup(dist.ProcessGroup):
             gen.abort(ErrorType.COMM_ERROR, "aborted by the user (ProcessGroup.abort())")
 
     def shutdown(self) -> None:
+        """Tear the group down for good. Unlike abort() this is no failure: abort hooks do not fire."""
         gen = self._gen
         if gen is not None and not gen.aborted:
-            gen.abort(ErrorType.SUCCESS, "the group was shut down")
+            gen.abort(ErrorType.SUCCESS, "the group was shut down", hooks=False)
+            gen.retire()
 
     def get_error(self) -> Any:
         gen = self._gen
@@ -312,8 +322,11 @@ class ProcessGroup(dist.ProcessGroup):
             inner = call(gen.backend)
         except (TypeError, ValueError):
             raise  # bad arguments: the backend said so, nothing failed
-        except Exception as exc:  # a broken connection can surface at issue time
-            raise gen.on_failure(op, seq, exc, abort_inline=True) from exc
+        except Exception as exc:
+            if not is_communication_failure(exc):
+                # Gloo validates arguments with RuntimeError: bad input, the configuration is fine.
+                raise InvalidOptionError(f"{op}: the backend rejected the arguments: {exc}") from exc
+            raise gen.on_failure(op, seq, exc, abort_inline=True) from exc  # connection broken at issue time
         gen.track(inner)
         work = Work(gen, op, seq, inner, result)
         if self._post_hooks.fns:
