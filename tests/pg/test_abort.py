@@ -137,6 +137,8 @@ def _abort_killed(rank: int, world: int, port: int) -> tuple:
     store = harness.client_store(port)
     pg = ftc10d.ProcessGroup(store, rank, world, timeout=T)
     handles = harness.exchange(store, "h", rank, pg.get_reconfigure_handle(), world)
+    heard: list = []
+    pg.add_error_listener(lambda e: heard.append((type(e).__name__, e.peer)))
     if rank == 2:
         time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -151,6 +153,7 @@ def _abort_killed(rank: int, world: int, port: int) -> tuple:
     error = pg.get_error()
     pg.abort()  # after a failure abort is a harmless no-op
     ftc10d.reconfigure(1, [h for i, h in enumerate(handles) if i != 2], group=pg)
+    assert heard == [("PeerFailureError", 2)], heard  # the failure detector's feed
     return name, peer, elapsed, error, pg.get_error()
 
 

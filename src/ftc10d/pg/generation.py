@@ -92,6 +92,8 @@ class Generation:
         self.error_type: Any = ErrorType.SUCCESS
         self.failed_peer: Optional[int] = None
         self._fire_abort_hooks = fire_abort_hooks
+        #: Told of the first failure of this generation (set by the owning group).
+        self.on_error: Optional[Callable[[CollectiveError], None]] = None
         self._pending: deque[Any] = deque()
         self._lock = threading.Lock()
         self._aborting_thread: Optional[int] = None
@@ -155,6 +157,11 @@ class Generation:
         reason = f"{op} #{seq} failed: {type(err).__name__}{'' if err.peer is None else f' (peer rank {err.peer})'}"
         if isinstance(err, ProcessGroupAborted):
             reason = str(err).split(" was aborted: ", 1)[-1].split(". Reconfigure")[0]
+        if self.on_error is not None:
+            try:
+                self.on_error(err)
+            except Exception:
+                logger.exception("error listener raised; ignored")
         if abort_inline:
             self.abort(err.error_type, reason, err.peer)
         else:

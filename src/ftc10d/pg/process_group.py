@@ -30,11 +30,11 @@ from ftc10d.pg.generation import Generation, bootstrap, claim_uuid, is_communica
 from ftc10d.pg.hooks import HookRegistry
 from ftc10d.pg.work import CompletedWork, MultiWork, Work
 from ftc10d.types import (
+    CollectiveError,
     ErrorType,
     HookOpName,
     InvalidOptionError,
     NotConfiguredError,
-    ProcessGroupAborted,
     UuidReusedError,
     make_post_hook_args,
     make_pre_hook_args,
@@ -115,6 +115,7 @@ class ProcessGroup(dist.ProcessGroup):
         self._post_hooks = HookRegistry("post")
         self._group_id = next(_group_ids)
         self._on_reconfigure: list[Callable[["ProcessGroup"], None]] = []
+        self._on_error: list[Callable[[CollectiveError], None]] = []
         from ftc10d.pg import c10d  # late: c10d imports this module
 
         c10d.register(self)
@@ -122,6 +123,7 @@ class ProcessGroup(dist.ProcessGroup):
             self._gen = bootstrap(
                 store, self._handle, rank, world_size, c10d.global_rank(self), timeout, self._fire_abort_hooks
             )
+            self._gen.on_error = self._notify_error
             c10d.update_ranks(self)
 
     # ------------------------------------------------------------ identity
@@ -222,6 +224,7 @@ class ProcessGroup(dist.ProcessGroup):
             from ftc10d.pg import c10d
 
             gen = rendezvous(self._store, plan, c10d.global_rank(self), self._timeout, self._fire_abort_hooks)
+            gen.on_error = self._notify_error
             self._gen = gen
             if old is not None:
                 old.retire()
@@ -284,8 +287,22 @@ class ProcessGroup(dist.ProcessGroup):
         self._abort_hooks.fire()
 
     def add_reconfigure_listener(self, fn: Callable[["ProcessGroup"], None]) -> None:
-        """Call ``fn(pg)`` after every successful reconfigure (used by c10d bookkeeping)."""
+        """Call ``fn(pg)`` after every successful reconfigure."""
         self._on_reconfigure.append(fn)
+
+    def add_error_listener(self, fn: Callable[[CollectiveError], None]) -> None:
+        """Call ``fn(error)`` with the first typed failure of each configuration, before it
+        is aborted; ``error.peer`` names the failed member when known. This is how a
+        failure detector (membership) learns of a dead peer from the data path. It may
+        run on a backend thread: keep it short and non-blocking."""
+        self._on_error.append(fn)
+
+    def _notify_error(self, err: CollectiveError) -> None:
+        for fn in list(self._on_error):
+            try:
+                fn(err)
+            except Exception:
+                logger.exception("error listener %r raised; ignored", fn)
 
     # ------------------------------------------------------------ issue path
 
