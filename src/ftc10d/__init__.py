@@ -39,6 +39,8 @@ from ftc10d.types import (
     UuidReusedError,
 )
 
+from ftc10d import flight_recorder  # noqa: E402  (attaches itself to every new group)
+
 __version__ = "0.1.0"
 
 logging.getLogger("ftc10d").addHandler(logging.NullHandler())
@@ -70,5 +72,6 @@ __all__ = [
     "CollectiveTimeoutError",
     "PeerFailureError",
     "CommunicationError",
+    "flight_recorder",
     "__version__",
 ]

@@ -33,17 +33,38 @@ def _default_group() -> Optional[dist.ProcessGroup]:
     return c10d._world.default_pg
 
 
+_first_rank: Optional[int] = None
+
+
+def note_rank(rank: int) -> None:
+    """Remember this process's rank in the first configuration it joins."""
+    global _first_rank
+    if _first_rank is None and rank >= 0:
+        _first_rank = rank
+
+
+def process_rank() -> int:
+    """A stable identity for this process across reconfigures: ``RANK`` if set,
+    else its rank in the first ftc10d configuration it joined (0 before any)."""
+    env = os.environ.get("RANK", "").strip()
+    if env.isdigit():
+        return int(env)
+    return _first_rank if _first_rank is not None else 0
+
+
 def global_rank(pg: ProcessGroup) -> int:
-    """This process's rank in the default group, or its rank in ``pg`` if ``pg``
-    is (or will be) the default or there is none."""
+    """What this process publishes as its global rank: its rank in a non-ftc10d
+    default group if there is one, else its stable :func:`process_rank`."""
     default = _default_group()
-    if default is None or default is pg:
-        return pg.rank()
+    if default is None or isinstance(default, ProcessGroup):
+        return process_rank()
     return default.rank()
 
 
 def register(pg: ProcessGroup) -> None:
-    name = f"ftc10d_{pg._group_id}_{os.getpid()}"
+    # Same name on every rank (groups are made in the same order everywhere, as with
+    # torch's counter), so that dumps of different ranks name the same group.
+    name = f"ftc10d_{pg._group_id}"
     pg._set_group_name(name)
     pg._set_group_desc(name)
     c10d._world.pg_map[pg] = (BACKEND_NAME, pg._store)

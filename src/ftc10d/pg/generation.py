@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ftc10d.pg.gloo import GlooCommunicator
 from ftc10d.pg.handles import Plan
+from ftc10d.pg.observer import OpRecord
 from ftc10d.types import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -94,22 +95,35 @@ class Generation:
         self._fire_abort_hooks = fire_abort_hooks
         #: Told of the first failure of this generation (set by the owning group).
         self.on_error: Optional[Callable[[CollectiveError], None]] = None
-        self._pending: deque[Any] = deque()
+        self._pending: deque[tuple[Any, Optional[OpRecord]]] = deque()
         self._lock = threading.Lock()
         self._aborting_thread: Optional[int] = None
         self._abort_done = threading.Event()
 
     # ------------------------------------------------------------------ data path
 
-    def track(self, inner: Any) -> None:
-        """Remember a backend work until it completes, so abort can drain it."""
+    def track(self, inner: Any, entry: Optional[OpRecord] = None) -> None:
+        """Remember a backend work until it completes, so abort can drain it; a
+        completion noticed here is reported to the op's record."""
         pending = self._pending
         # Completed works hold their tensors: let them go as soon as possible.
-        while pending and pending[0].is_completed():
-            pending.popleft()
-        pending.append(inner)
+        while pending and pending[0][0].is_completed():
+            _settle(*pending.popleft())
+        pending.append((inner, entry))
         if len(pending) > 64:  # a long-running op at the front blocks front pruning
-            self._pending = deque(w for w in pending if not w.is_completed())
+            keep: deque[tuple[Any, Optional[OpRecord]]] = deque()
+            for item in pending:
+                if item[0].is_completed():
+                    _settle(*item)
+                else:
+                    keep.append(item)
+            self._pending = keep
+
+    def poll(self) -> None:
+        """Report completions of pending works to their records (for a dump)."""
+        for inner, entry in list(self._pending):
+            if entry is not None and inner.is_completed():
+                _settle(inner, entry)
 
     def aborted_error(self, op: str, seq: int) -> ProcessGroupAborted:
         return ProcessGroupAborted(
@@ -250,15 +264,27 @@ class Generation:
     def _drain(self) -> None:
         deadline = time.monotonic() + ABORT_DRAIN_TIMEOUT.total_seconds()
         while self._pending:
-            inner = self._pending.popleft()
+            inner, entry = self._pending.popleft()
             left = deadline - time.monotonic()
             if left <= 0:
                 logger.error("abort of %s: ops still running after %s", self.label, ABORT_DRAIN_TIMEOUT)
                 return
             try:
                 inner.wait(timedelta(seconds=left))
+                if entry is not None:
+                    entry.complete()
             except Exception:
-                pass  # failing is what we expect of them
+                if entry is not None:  # failing is what we expect of them
+                    entry.fail("aborted")
+
+
+def _settle(inner: Any, entry: Optional[OpRecord]) -> None:
+    if entry is None:
+        return
+    if inner.is_success():
+        entry.complete()
+    else:
+        entry.fail("failed")
 
 
 def _release(backend: Any) -> None:

@@ -28,6 +28,7 @@ import torch._C._distributed_c10d as _c10d
 from ftc10d.pg import handles as _handles
 from ftc10d.pg.generation import Generation, bootstrap, claim_uuid, is_communication_failure, rendezvous
 from ftc10d.pg.hooks import HookRegistry
+from ftc10d.pg.observer import GROUP_CREATED, OpObserver
 from ftc10d.pg.work import CompletedWork, MultiWork, Work
 from ftc10d.types import (
     CollectiveError,
@@ -79,6 +80,8 @@ class ProcessGroup(dist.ProcessGroup):
         timeout: default timeout of every op and of a reconfigure rendezvous.
         enable_reconfigure: if False the group connects now, like ``ProcessGroupGloo``;
             if True it connects on the first :meth:`reconfigure`.
+        flight_recorder: record every op in the process's flight recorder
+            (None: yes unless ``FTC10D_FLIGHT_RECORDER=0``).
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class ProcessGroup(dist.ProcessGroup):
         backend: str = "gloo",
         timeout: timedelta = DEFAULT_TIMEOUT,
         enable_reconfigure: bool = False,
+        flight_recorder: Optional[bool] = None,
     ) -> None:
         if backend not in BACKENDS:
             raise InvalidOptionError(f"backend {backend!r} is not supported; choose one of {list(BACKENDS)}")
@@ -116,15 +120,22 @@ class ProcessGroup(dist.ProcessGroup):
         self._group_id = next(_group_ids)
         self._on_reconfigure: list[Callable[["ProcessGroup"], None]] = []
         self._on_error: list[Callable[[CollectiveError], None]] = []
+        #: Sees every op at issue time (the flight recorder); see ftc10d.pg.observer.
+        self._observer: Optional[OpObserver] = None
         from ftc10d.pg import c10d  # late: c10d imports this module
 
         c10d.register(self)
         if not enable_reconfigure:
+            c10d.note_rank(rank)
             self._gen = bootstrap(
                 store, self._handle, rank, world_size, c10d.global_rank(self), timeout, self._fire_abort_hooks
             )
             self._gen.on_error = self._notify_error
             c10d.update_ranks(self)
+        for fn in list(GROUP_CREATED):
+            fn(self, flight_recorder)
+        if self._observer is not None and self._gen is not None:
+            self._observer.on_generation(self, self._gen)
 
     # ------------------------------------------------------------ identity
 
@@ -218,6 +229,9 @@ class ProcessGroup(dist.ProcessGroup):
                 )
             claim_uuid(self._store, plan)
             self._used_uuids.add(plan.uuid)
+            from ftc10d.pg import c10d
+
+            c10d.note_rank(plan.rank)
             old = self._gen
             if old is not None:
                 old.abort(ErrorType.COMM_ERROR, f"reconfigured to generation {plan.uuid}")
@@ -225,6 +239,8 @@ class ProcessGroup(dist.ProcessGroup):
 
             gen = rendezvous(self._store, plan, c10d.global_rank(self), self._timeout, self._fire_abort_hooks)
             gen.on_error = self._notify_error
+            if self._observer is not None:
+                self._observer.on_generation(self, gen)
             self._gen = gen
             if old is not None:
                 old.retire()
@@ -335,17 +351,23 @@ class ProcessGroup(dist.ProcessGroup):
         else:
             gen.collective_seq += 1
             seq = gen.collective_seq
+        obs = self._observer
+        entry = obs.on_issue(self, gen, op, seq, p2p, root, inputs, outputs, op_id) if obs is not None else None
         try:
             inner = call(gen.backend)
         except (TypeError, ValueError):
+            if entry is not None:
+                entry.fail("rejected arguments")
             raise  # bad arguments: the backend said so, nothing failed
         except Exception as exc:
+            if entry is not None:
+                entry.fail("rejected arguments" if not is_communication_failure(exc) else "communication error")
             if not is_communication_failure(exc):
                 # Gloo validates arguments with RuntimeError: bad input, the configuration is fine.
                 raise InvalidOptionError(f"{op}: the backend rejected the arguments: {exc}") from exc
             raise gen.on_failure(op, seq, exc, abort_inline=True) from exc  # connection broken at issue time
-        gen.track(inner)
-        work = Work(gen, op, seq, inner, result)
+        gen.track(inner, entry)
+        work = Work(gen, op, seq, inner, result, entry)
         if self._post_hooks.fns:
             self._post_hooks.fire(make_post_hook_args(hook_name, async_op, work, op_id))
         return work

@@ -17,17 +17,22 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
+from ftc10d.pg.observer import error_kind
 from ftc10d.types import CollectiveError
 
 if TYPE_CHECKING:
     from ftc10d.pg.generation import Generation
+    from ftc10d.pg.observer import OpRecord
 
 
 class Work(dist.Work):
     """A pending op of one configuration (generation)."""
 
-    def __init__(self, gen: "Generation", op: str, seq: int, inner: Any, result: Any) -> None:
+    def __init__(
+        self, gen: "Generation", op: str, seq: int, inner: Any, result: Any, entry: Optional["OpRecord"] = None
+    ) -> None:
         super().__init__()
+        self._entry = entry
         self._gen = gen
         self._op = op
         self._seq = seq
@@ -51,6 +56,8 @@ class Work(dist.Work):
     def _translate(self, exc: BaseException, *, abort_inline: bool) -> CollectiveError:
         if self._error is None:
             self._error = self._gen.on_failure(self._op, self._seq, exc, abort_inline=abort_inline)
+            if self._entry is not None:
+                self._entry.fail(error_kind(self._error))
         return self._error
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
@@ -63,6 +70,8 @@ class Work(dist.Work):
                 self._inner.wait(timeout)
         except Exception as exc:  # the backend raises RuntimeError/DistBackendError
             raise self._translate(exc, abort_inline=True) from exc
+        if self._entry is not None:
+            self._entry.complete()
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -78,6 +87,8 @@ class Work(dist.Work):
                 fut.value()
             except Exception as exc:
                 raise self._translate(exc, abort_inline=False) from exc
+            if self._entry is not None:
+                self._entry.complete()
             return self._result
 
         return self._inner.get_future().then(done)

@@ -1,0 +1,125 @@
+"""Attaching the recorder to groups: by default to every ftc10d group.
+
+A group is attached when it is created (``ftc10d.pg.observer.GROUP_CREATED``),
+unless ``flight_recorder=False`` was passed or ``FTC10D_FLIGHT_RECORDER=0`` is
+set. Attaching installs the op observer, an abort hook that dumps (so a
+timeout or a peer failure leaves a dump holding the stuck op, not completed),
+and the dump-on-signal handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ftc10d.flight_recorder.recorder import Entry, FlightRecorder, enabled_by_env, get_recorder
+from ftc10d.pg import observer
+from ftc10d.pg.generation import Generation
+from ftc10d.pg.process_group import ProcessGroup
+
+logger = logging.getLogger("ftc10d")
+
+#: The abort hook id the recorder uses; chosen far from ids users pick.
+ABORT_HOOK_ID = 0x7FC10D
+
+#: Our op names -> the names torch's fr_trace knows (its COLLECTIVES/P2P sets).
+PROFILING_NAMES = {
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "allreduce_coalesced",
+    "broadcast": "broadcast",
+    "reduce": "reduce",
+    "all_gather": "all_gather",
+    "all_gather_coalesced": "all_gather",
+    "all_gather_into_tensor": "_all_gather_base",
+    "gather": "gather",
+    "gather_into_tensor": "gather",
+    "scatter": "scatter",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_tensor": "_reduce_scatter_base",
+    "all_to_all": "all_to_all",
+    "all_to_all_single": "all_to_all_single",
+    "barrier": "barrier",
+}
+
+_groups: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
+
+
+def generation_pg_name(pg: ProcessGroup, gen: Generation) -> str:
+    return f"{pg.group_name}:{'init' if gen.uuid is None else gen.uuid}"
+
+
+class _Observer:
+    """Feeds the ring buffer from a group's issue path."""
+
+    def __init__(self, recorder: FlightRecorder) -> None:
+        self.recorder = recorder
+
+    def on_generation(self, pg: ProcessGroup, gen: Generation) -> None:
+        desc = f"ftc10d {gen.label}"
+        self.recorder.register_generation(generation_pg_name(pg, gen), desc, gen.global_ranks)
+
+    def on_issue(
+        self,
+        pg: ProcessGroup,
+        gen: Generation,
+        op: str,
+        seq: int,
+        p2p: bool,
+        root: int,
+        inputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor],
+        op_id: int,
+    ) -> Entry:
+        if p2p:
+            me = gen.rank
+            peer = root if root >= 0 else me  # recv from any source: the peer is unknown
+            name = f"gloo:send {me}->{peer}" if op == "send" else f"gloo:recv {me}<-{peer}"
+        else:
+            name = "gloo:" + PROFILING_NAMES.get(op, op)
+        return self.recorder.record(
+            pg._group_id,
+            generation_pg_name(pg, gen),
+            f"ftc10d {gen.label}",
+            gen.uuid,
+            seq if not p2p else gen.collective_seq,
+            seq if p2p else gen.p2p_seq,
+            op_id,
+            name,
+            inputs,
+            outputs,
+            int(pg.timeout.total_seconds() * 1000),
+            p2p,
+        )
+
+
+def attach(pg: ProcessGroup, recorder: Optional[FlightRecorder] = None) -> None:
+    """Record ``pg``'s ops (idempotent)."""
+    from ftc10d.flight_recorder.dump import install_signal_handler, _safe_dump
+
+    if pg in _groups:
+        return
+    rec = recorder or get_recorder()
+    pg._observer = _Observer(rec)
+    pg.register_abort_hook(ABORT_HOOK_ID, _safe_dump)
+    _groups.add(pg)
+    install_signal_handler()
+
+
+def _on_group_created(pg: ProcessGroup, flight_recorder: Any) -> None:
+    wanted = enabled_by_env() if flight_recorder is None else bool(flight_recorder)
+    if wanted:
+        attach(pg)
+
+
+def poll_pending() -> None:
+    """Let every attached group report completions it has not noticed yet."""
+    for pg in list(_groups):
+        gen = pg.generation
+        if gen is not None:
+            gen.poll()
+
+
+observer.GROUP_CREATED.append(_on_group_created)
