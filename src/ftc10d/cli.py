@@ -106,6 +106,22 @@ def version(args: argparse.Namespace) -> int:
 # ===================================================================== entry
 
 
+@subcommand(
+    "trace",
+    "analyse flight-recorder dumps (one per rank): who did not join which collective, per generation",
+    arg("dir", help="folder with the dumps (ftc10d-fr-<rank>.json or torch-format <prefix><rank>)"),
+    arg("--json", dest="as_json", action="store_true", help="machine-readable output"),
+)
+def trace(args: argparse.Namespace) -> int:
+    from ftc10d.flight_recorder.analyze import main as analyze_main
+
+    try:
+        return analyze_main(args.dir, as_json=args.as_json)
+    except FileNotFoundError as exc:
+        print(f"ftc10d trace: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ftc10d",

@@ -25,6 +25,7 @@ import pickle
 import signal
 import tempfile
 import threading
+import time
 from typing import Any, Optional
 
 import torch
@@ -83,6 +84,7 @@ def _entry_dict(e: Entry, *, extended: bool) -> dict[str, Any]:
     if extended:
         d["uuid"] = e.uuid
         d["error"] = e.error
+        d["time_failed_ns"] = e.time_failed_ns
     return d
 
 
@@ -117,6 +119,7 @@ def snapshot(recorder: Optional[FlightRecorder] = None, *, extended: bool = True
     if extended:
         out["rank"] = process_rank()
         out["producer"] = "ftc10d"
+        out["time_dumped_ns"] = time.time_ns()
     return out
 
 
@@ -147,9 +150,10 @@ def dump(path: Optional[str] = None, *, json_too: bool = True) -> str:
     with _dump_lock:
         data = snapshot(extended=True)
         torch_view = dict(data)
-        torch_view["entries"] = [{k: v for k, v in e.items() if k not in ("uuid", "error")} for e in data["entries"]]
-        torch_view.pop("rank", None)
-        torch_view.pop("producer", None)
+        ours = ("uuid", "error", "time_failed_ns")
+        torch_view["entries"] = [{k: v for k, v in e.items() if k not in ours} for e in data["entries"]]
+        for key in ("rank", "producer", "time_dumped_ns"):
+            torch_view.pop(key, None)
         _atomic_write(target, pickle.dumps(torch_view))
         if json_too:
             json_path = os.path.join(os.path.dirname(os.path.abspath(target)), f"ftc10d-fr-{rank}.json")

@@ -34,7 +34,7 @@ class Entry:
         "record_id", "pg_id", "pg_name", "pg_desc", "uuid", "collective_seq_id", "p2p_seq_id", "op_id",
         "profiling_name", "time_created_ns", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes",
         "state", "time_discovered_started_ns", "time_discovered_completed_ns", "retired", "timeout_ms", "is_p2p",
-        "frames", "error",
+        "frames", "error", "time_failed_ns",
     )
 
     def complete(self) -> None:
@@ -46,6 +46,7 @@ class Entry:
     def fail(self, error: str) -> None:
         if self.state != "completed" and self.error is None:
             self.error = error
+            self.time_failed_ns = time.time_ns()
             self.retired = True
 
 
@@ -116,6 +117,7 @@ class FlightRecorder:
         e.is_p2p = is_p2p
         e.frames = _frames() if self.stack_traces else []
         e.error = None
+        e.time_failed_ns = None
         self._ring[rid % self.capacity] = e
         return e
 
