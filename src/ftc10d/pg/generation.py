@@ -281,10 +281,17 @@ class Generation:
 def _settle(inner: Any, entry: Optional[OpRecord]) -> None:
     if entry is None:
         return
-    if inner.is_success():
+    exc = inner.exception()
+    if exc is None:
         entry.complete()
     else:
-        entry.fail("failed")
+        text = str(exc)
+        if "timed out" in text.lower():
+            entry.fail("timeout")
+        elif any(marker in text for marker in _PEER_ERROR_MARKERS):
+            entry.fail("peer failure")
+        else:
+            entry.fail("communication error")
 
 
 def _release(backend: Any) -> None:
