@@ -15,7 +15,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ftc10d.flight_recorder.recorder import Entry, FlightRecorder, enabled_by_env, get_recorder
+from time import time_ns
+
+from ftc10d.flight_recorder.recorder import _DTYPE, _SHAPE, Entry, FlightRecorder, _frames, enabled_by_env, get_recorder
 from ftc10d.pg import observer
 from ftc10d.pg.generation import Generation
 from ftc10d.pg.process_group import ProcessGroup
@@ -44,6 +46,8 @@ PROFILING_NAMES = {
     "barrier": "barrier",
 }
 
+_PROFILING = {op: "gloo:" + name for op, name in PROFILING_NAMES.items()}
+
 _groups: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
 
 
@@ -58,8 +62,9 @@ class _Observer:
         self.recorder = recorder
 
     def on_generation(self, pg: ProcessGroup, gen: Generation) -> None:
-        desc = f"ftc10d {gen.label}"
-        self.recorder.register_generation(generation_pg_name(pg, gen), desc, gen.global_ranks)
+        name, desc = generation_pg_name(pg, gen), f"ftc10d {gen.label}"
+        gen.fr_info = (name, desc)  # computed once per generation, read on every op
+        self.recorder.register_generation(name, desc, gen.global_ranks)
 
     def on_issue(
         self,
@@ -73,26 +78,29 @@ class _Observer:
         outputs: Sequence[torch.Tensor],
         op_id: int,
     ) -> Entry:
+        # The hot path: build the entry here rather than through FlightRecorder.record(),
+        # saving a call frame and an argument shuffle on every op.
+        name, desc = gen.fr_info
         if p2p:
             me = gen.rank
             peer = root if root >= 0 else me  # recv from any source: the peer is unknown
-            name = f"gloo:send {me}->{peer}" if op == "send" else f"gloo:recv {me}<-{peer}"
+            profiling = f"gloo:send {me}->{peer}" if op == "send" else f"gloo:recv {me}<-{peer}"
+            cseq, pseq = gen.collective_seq, seq
         else:
-            name = "gloo:" + PROFILING_NAMES.get(op, op)
-        return self.recorder.record(
-            pg._group_id,
-            generation_pg_name(pg, gen),
-            f"ftc10d {gen.label}",
-            gen.uuid,
-            seq if not p2p else gen.collective_seq,
-            seq if p2p else gen.p2p_seq,
-            op_id,
-            name,
-            inputs,
-            outputs,
-            int(pg.timeout.total_seconds() * 1000),
-            p2p,
-        )
+            profiling = _PROFILING.get(op) or "gloo:" + op
+            cseq, pseq = seq, gen.p2p_seq
+        rec = self.recorder
+        rid = next(rec._ids)
+        in_sizes, in_dtypes = list(map(_SHAPE, inputs)), list(map(_DTYPE, inputs))
+        same = outputs is inputs
+        e = Entry((
+            rid, pg._group_id, name, desc, gen.uuid, cseq, pseq, op_id, profiling, time_ns(),
+            in_sizes, in_dtypes,
+            in_sizes if same else list(map(_SHAPE, outputs)), in_dtypes if same else list(map(_DTYPE, outputs)),
+            "scheduled", None, None, False, pg._timeout_ms, p2p, _frames() if rec.stack_traces else [], None, None,
+        ))
+        rec._ring[rid % rec.capacity] = e
+        return e
 
 
 def attach(pg: ProcessGroup, recorder: Optional[FlightRecorder] = None) -> None:

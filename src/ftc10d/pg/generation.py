@@ -95,6 +95,8 @@ class Generation:
         self._fire_abort_hooks = fire_abort_hooks
         #: Told of the first failure of this generation (set by the owning group).
         self.on_error: Optional[Callable[[CollectiveError], None]] = None
+        #: (pg name, desc) of this generation in flight-recorder dumps, set by the recorder.
+        self.fr_info: Optional[tuple[str, str]] = None
         self._pending: deque[tuple[Any, Optional[OpRecord]]] = deque()
         self._lock = threading.Lock()
         self._aborting_thread: Optional[int] = None
@@ -122,7 +124,7 @@ class Generation:
     def poll(self) -> None:
         """Report completions of pending works to their records (for a dump)."""
         for inner, entry in list(self._pending):
-            if entry is not None and inner.is_completed():
+            if entry is not None and not entry.settled and inner.is_completed():
                 _settle(inner, entry)
 
     def aborted_error(self, op: str, seq: int) -> ProcessGroupAborted:
@@ -279,7 +281,7 @@ class Generation:
 
 
 def _settle(inner: Any, entry: Optional[OpRecord]) -> None:
-    if entry is None:
+    if entry is None or entry.settled:  # usually wait() got there first: nothing to ask the backend
         return
     exc = inner.exception()
     if exc is None:

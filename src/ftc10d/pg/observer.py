@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 
 class OpRecord(Protocol):
+    @property
+    def settled(self) -> bool: ...
+
     def complete(self) -> None: ...
 
     def fail(self, error: str) -> None: ...

@@ -109,6 +109,7 @@ class ProcessGroup(dist.ProcessGroup):
         self._init_size = world_size
         self._backend_name = backend
         self._timeout = timeout
+        self._timeout_ms = int(timeout.total_seconds() * 1000)
         self._handle = _handles.new_handle()
         self._gen: Optional[Generation] = None
         self._used_uuids: set[int] = set()
@@ -275,6 +276,7 @@ class ProcessGroup(dist.ProcessGroup):
         if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
             raise InvalidOptionError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
         self._timeout = timeout
+        self._timeout_ms = int(timeout.total_seconds() * 1000)
         gen = self._gen
         if gen is not None:
             gen.backend.set_timeout(timeout)
