@@ -43,6 +43,7 @@ import socket
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -93,6 +94,12 @@ WAIT_SLICE_S = 0.05
 #: ``wait_signal`` polls this long before it sleeps: a signal already on its way
 #: is then picked up without the two context switches of a futex sleep.
 SPIN_S = 30e-6
+#: Puts of at least this many bytes into shared memory are split across copy threads.
+PARALLEL_COPY_MIN = 8 << 20
+#: Copy threads for large shared-memory puts (``FTC10D_WINDOW_COPY_THREADS`` overrides):
+#: one copy stream does not saturate a server's memory bandwidth, but on a small
+#: machine extra threads only compete with the application.
+COPY_THREADS_ENV = "FTC10D_WINDOW_COPY_THREADS"
 _RECORD_VERSION = "1"
 _U64 = 1 << 64
 
@@ -137,6 +144,42 @@ def _index(op: str, name: str, value: Any) -> int:
         return operator.index(value)
     except TypeError:
         raise WindowUsageError(f"{op}: {name} must be an int, got {type(value).__name__}") from None
+
+
+# ------------------------------------------------------------------ large copies
+
+_copy_pool: Optional[ThreadPoolExecutor] = None
+_copy_pool_lock = threading.Lock()
+
+
+def copy_threads() -> int:
+    text = os.environ.get(COPY_THREADS_ENV, "")
+    if text:
+        try:
+            return max(1, int(text))
+        except ValueError:
+            raise InvalidOptionError(f"{COPY_THREADS_ENV}={text!r} is not an integer") from None
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for 1-D tensors, split across threads when large
+    (``copy_`` releases the GIL, so the chunks really run in parallel)."""
+    global _copy_pool
+    threads = copy_threads() if dst.numel() * dst.element_size() >= PARALLEL_COPY_MIN else 1
+    if threads <= 1:
+        dst.copy_(src)
+        return
+    with _copy_pool_lock:
+        if _copy_pool is None or _copy_pool._max_workers < threads - 1:  # type: ignore[attr-defined]
+            _copy_pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="ftc10d-copy")
+        pool = _copy_pool
+    bounds = [dst.numel() * i // threads for i in range(threads + 1)]
+    futures = [pool.submit(dst[bounds[i]:bounds[i + 1]].copy_, src[bounds[i]:bounds[i + 1]])
+               for i in range(1, threads)]
+    dst[: bounds[1]].copy_(src[: bounds[1]])
+    for f in futures:
+        f.result()
 
 
 # ---------------------------------------------------------------- group registry
@@ -867,7 +910,7 @@ class Window:
             target = reg.peers[dst].flat
             blk = self._res.peer_blocks.get(dst)
         assert blk is not None and target is not None
-        status = self._write(blk, reg.epoch, lambda: target[off:off + n].copy_(src))
+        status = self._write(blk, reg.epoch, lambda: _copy(target[off:off + n], src))
         if status == "state":
             raise self._peer_left("put", seq, dst, blk, inline)
         if status == "epoch":
