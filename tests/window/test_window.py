@@ -291,6 +291,55 @@ def test_windows_invalid_after_reconfigure_and_abort(transport: str) -> None:
         assert "aborted by the user" in out["after_abort"]
 
 
+# -------------------------------------------------------------- peer aborts
+
+
+def _peer_aborts(rank: int, world: int, port: int, transport: str) -> dict:
+    """Rank 0 aborts alone. Rank 1's put into it is refused (nothing lands in rank 0's
+    tensor); rank 2, asleep waiting for rank 0's signal, learns that it will never come."""
+    pg = _group(rank, world, port, transport)
+    root = harness.client_store(port)
+    local = torch.zeros(8)
+    win = pg.new_window(local)
+    pending = win.wait_signal(0, True) if rank == 2 else None
+    harness.store_barrier(root, "ready", rank, world)
+    if rank == 0:
+        pg.abort()
+        root.set("r0-aborted", "1")
+        harness.store_barrier(root, "done", rank, world)  # stay alive: this is an abort, not a death
+        return {"local": local.tolist()}
+    root.wait(["r0-aborted"], timedelta(seconds=30))
+    t0 = time.perf_counter()
+    try:
+        if rank == 1:
+            win.put(torch.ones(8), 0, 0, False)
+        else:
+            assert pending is not None
+            pending.wait()
+        out = {"error": None}
+    except ftc10d.WindowInvalidError as e:
+        out = {"error": (type(e).__name__, e.peer, str(e), time.perf_counter() - t0)}
+    deadline = time.monotonic() + 5.0  # an async op's failure aborts on a thread of its own
+    while not pg.generation.aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out["aborted_too"] = pg.generation.aborted
+    harness.store_barrier(root, "done", rank, world)
+    return out
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_peer_abort_refuses_puts_and_ends_waits(transport: str) -> None:
+    res = harness.run(_peer_aborts, 3, transport)
+    assert res[0]["local"] == [0.0] * 8, "a put landed in an aborted window"
+    for r in (1, 2):
+        assert res[r]["error"] is not None, f"rank {r}: no error"
+        kind, peer, text, dt = res[r]["error"]
+        assert kind == "WindowInvalidError" and peer == 0, text
+        assert "peer rank 0 aborted" in text and "aborted by the user" in text, text
+        assert dt < 3.0
+        assert res[r]["aborted_too"], "a peer's abort must abort this rank's configuration too"
+
+
 # ---------------------------------------------------------------- SIGKILL
 
 
@@ -306,6 +355,11 @@ def _shm_mappings() -> list[tuple[int, str]]:
 
 
 def _killed(rank: int, world: int, port: int, transport: str) -> dict:
+    if transport == "tcp":
+        # as across hosts: no pidfd on the peer, its death must be seen on the network
+        from ftc10d.window import _shm
+
+        _shm.PidWatch.exited = lambda self: False  # type: ignore[method-assign]
     pg = _group(rank, world, port, transport)
     root = harness.client_store(port)
     handles = harness.exchange(root, "h", rank, pg.get_reconfigure_handle(), world)

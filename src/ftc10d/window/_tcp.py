@@ -283,7 +283,8 @@ class Connection:
         self.sock.sendall(HDR.pack(MAGIC, VERSION, OP_HELLO, src, token, uuid, index))
 
     def put(self, epoch: int, byte_offset: int, data: memoryview, timeout: float) -> None:
-        assert self.sock is not None
+        if self.sock is None:
+            raise ConnectionAbortedError("the connection was closed")
         self.sock.settimeout(timeout)
         hdr = HDR.pack(MAGIC, VERSION, OP_PUT, self._src, epoch, byte_offset, len(data))
         if len(data) <= 65536:
@@ -292,19 +293,37 @@ class Connection:
             _sendv(self.sock, [memoryview(hdr), data])
 
     def signal(self, timeout: float) -> None:
-        assert self.sock is not None
+        if self.sock is None:
+            raise ConnectionAbortedError("the connection was closed")
         self.sock.settimeout(timeout)
         self.sock.sendall(HDR.pack(MAGIC, VERSION, OP_SIGNAL, self._src, 1, 0, 0))
 
     def close(self, aborted: bool) -> None:
-        sock, self.sock = self.sock, None
+        """Say goodbye (so the peer tells a departure from a death) and close.
+
+        Another thread may be in the middle of a message: the goodbye is sent only
+        if the connection's lock comes free soon, else the socket is just shut down
+        (bytes of a goodbye inside a put would corrupt the stream)."""
+        sock = self.sock
         if sock is None:
             return
-        try:
-            sock.settimeout(1.0)
-            sock.sendall(HDR.pack(MAGIC, VERSION, OP_BYE, self._src, BYE_ABORTED if aborted else BYE_CLOSED, 0, 0))
-        except OSError:
-            pass
+        if self.lock.acquire(timeout=0.5):
+            try:
+                self.sock = None
+                try:
+                    sock.settimeout(1.0)
+                    sock.sendall(HDR.pack(MAGIC, VERSION, OP_BYE, self._src,
+                                          BYE_ABORTED if aborted else BYE_CLOSED, 0, 0))
+                except OSError:
+                    pass
+            finally:
+                self.lock.release()
+        else:
+            self.sock = None
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         try:
             sock.close()
         except OSError:

@@ -91,6 +91,8 @@ ABORT_HOOK_ID = -0x46544331_30445701
 QUIESCE_TIMEOUT_S = 2.0
 #: A sleeping ``wait_signal`` re-checks aborts and peer liveness this often.
 WAIT_SLICE_S = 0.05
+#: A sleeping ``wait_signal`` asks the store whether its peer aborted this often.
+STORE_CHECK_S = 0.5
 #: ``wait_signal`` polls this long before it sleeps: a signal already on its way
 #: is then picked up without the two context switches of a futex sleep.
 SPIN_S = 30e-6
@@ -393,6 +395,7 @@ class Window:
         self._prefix = f"win/{self._index}"
         self._seq = itertools.count(1)
         self._lock = threading.RLock()
+        self._conn_lock = threading.Lock()  # connecting may wait for a peer: never under _lock
         self._invalid: Optional[str] = None
         self._inflight = 0
         self._paths: list[str] = []
@@ -887,6 +890,7 @@ class Window:
         n = src.numel()
         path = self._paths[dst]
         if path == TCP:
+            self._check_lost("put", seq, dst, inline)
             data = src.contiguous()
             conn = self._connection("put", seq, dst, timeout, inline)
             try:
@@ -973,6 +977,7 @@ class Window:
     def _do_signal(self, seq: int, q: int, timeout: float, inline: bool) -> None:
         path = self._paths[q]
         if path == TCP:
+            self._check_lost("signal", seq, q, inline)
             conn = self._connection("signal", seq, q, timeout, inline)
             try:
                 with conn.lock:
@@ -1024,13 +1029,18 @@ class Window:
         own = self._res.own
         assert own is not None
         deadline = time.monotonic() + timeout
+        next_store_check = time.monotonic() + STORE_CHECK_S
         _atomics.fetch_add(own.waiters_addr, 1)  # before re-reading the counter (see _do_signal)
         try:
             while True:
                 v = _atomics.load(addr)
                 if v >= target:
                     return
-                problem = self._wait_problem(seq, q, inline)
+                now = time.monotonic()
+                ask_store = now >= next_store_check
+                if ask_store:
+                    next_store_check = now + STORE_CHECK_S
+                problem = self._wait_problem(seq, q, inline, ask_store)
                 if problem is not None:
                     raise problem
                 left = deadline - time.monotonic()
@@ -1040,8 +1050,12 @@ class Window:
         finally:
             _atomics.fetch_add(own.waiters_addr, _U64 - 1)
 
-    def _wait_problem(self, seq: int, q: int, inline: bool) -> Optional[BaseException]:
-        """Why the signal from ``q`` can never come, if it cannot."""
+    def _wait_problem(self, seq: int, q: int, inline: bool, ask_store: bool = False) -> Optional[BaseException]:
+        """Why the signal from ``q`` can never come, if it cannot.
+
+        Local evidence first (our own state, q's pidfd, q's block, q's connection);
+        ``ask_store``: also whether q announced an abort in the store, the only
+        evidence there is for a TCP peer that never connected to us."""
         op = "wait_signal"
         if self._invalid is not None or self._gen.aborted:
             try:
@@ -1065,15 +1079,27 @@ class Window:
             return WindowError(
                 f"{op} #{seq} on {self._where}: rank {q} has released its window, so its signal cannot come"
             )
+        if ask_store and self._peer_reason(q) is not None:
+            return self._peer_failure(op, seq, q, False, "it aborted", inline)
         return None
 
     # ------------------------------------------------------------ TCP path
+
+    def _check_lost(self, op: str, seq: int, q: int, inline: bool) -> None:
+        """A TCP peer that said goodbye (or whose connection to us died) gets nothing more."""
+        lost = self._lost.get(q)
+        if lost == "dead":
+            raise self._peer_failure(op, seq, q, True, "closed its connection: it died or was killed", inline)
+        if lost == "aborted":
+            raise self._peer_failure(op, seq, q, False, "it closed its window", inline)
+        if lost == "closed":
+            raise WindowError(f"{op} #{seq} on {self._where}: rank {q} has released its window")
 
     def _connection(self, op: str, seq: int, q: int, timeout: float, inline: bool) -> _tcp.Connection:
         conn = self._res.conns.get(q)
         if conn is not None:
             return conn
-        with self._lock:
+        with self._conn_lock:
             conn = self._res.conns.get(q)
             if conn is not None:
                 return conn
@@ -1096,7 +1122,9 @@ class Window:
             except ValueError:
                 raise WindowError(f"{op} on {self._where}: rank {q}'s window address is unreadable ({text[:80]!r})") from None
             if q in self._res.watches:  # same host: loopback first
-                addrs.sort(key=lambda hp: hp[0] != "127.0.0.1")
+                addrs.sort(key=lambda hp: not hp[0].startswith("127."))
+            else:  # another host's loopback is our own: never try it
+                addrs = [hp for hp in addrs if not hp[0].startswith("127.")] or addrs
             try:
                 conn = _tcp.Connection(addrs, self.rank, token, self._uuid_wire, self._index, timeout)
             except OSError as exc:
