@@ -2,8 +2,8 @@
 
 The process group implements torch 2.14's fault-tolerance contract
 (``supports_reconfigure``, ``get_reconfigure_handle()``, ``reconfigure()``,
-abort/pre/post hooks) on torch 2.13 and 2.14 alike, over Gloo, with an
-``abort()`` that really unblocks pending operations.
+abort/pre/post hooks, one-sided windows) on torch 2.13 and 2.14 alike, over
+Gloo, with an ``abort()`` that really unblocks pending operations.
 """
 
 import logging
@@ -37,6 +37,19 @@ from ftc10d.types import (
     ReconfigureOptions,
     ReconfigureTimeoutError,
     UuidReusedError,
+    PutOptions,
+    SignalOptions,
+    WaitSignalOptions,
+    WindowAccessType,
+    WindowAlreadyRegisteredError,
+    WindowAttr,
+    WindowBoundsError,
+    WindowDtypeError,
+    WindowError,
+    WindowInvalidError,
+    WindowNotRegisteredError,
+    WindowRankError,
+    WindowUsageError,
 )
 
 from ftc10d import flight_recorder  # noqa: E402  (attaches itself to every new group)
@@ -73,5 +86,18 @@ __all__ = [
     "PeerFailureError",
     "CommunicationError",
     "flight_recorder",
+    "PutOptions",
+    "SignalOptions",
+    "WaitSignalOptions",
+    "WindowAccessType",
+    "WindowAlreadyRegisteredError",
+    "WindowAttr",
+    "WindowBoundsError",
+    "WindowDtypeError",
+    "WindowError",
+    "WindowInvalidError",
+    "WindowNotRegisteredError",
+    "WindowRankError",
+    "WindowUsageError",
     "__version__",
 ]

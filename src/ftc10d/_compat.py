@@ -20,5 +20,10 @@ TorchPreHookArgs = getattr(_c10d, "PreHookArgs", None)
 TorchPostHookArgs = getattr(_c10d, "PostHookArgs", None)
 TorchErrorType = getattr(_c10d, "ErrorType", None)
 TorchReconfigureOptions = getattr(_c10d, "ReconfigureOptions", None)
+TorchWindowAccessType = getattr(_c10d, "WindowAccessType", None)
+TorchWindowAttr = getattr(_c10d, "WindowAttr", None)
+TorchPutOptions = getattr(_c10d, "PutOptions", None)
+TorchSignalOptions = getattr(_c10d, "SignalOptions", None)
+TorchWaitSignalOptions = getattr(_c10d, "WaitSignalOptions", None)
 
 HAS_NATIVE_RECONFIGURE: bool = TorchReconfigureOptions is not None

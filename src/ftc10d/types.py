@@ -43,6 +43,19 @@ __all__ = [
     "CollectiveTimeoutError",
     "PeerFailureError",
     "CommunicationError",
+    "WindowAccessType",
+    "WindowAttr",
+    "PutOptions",
+    "SignalOptions",
+    "WaitSignalOptions",
+    "WindowError",
+    "WindowInvalidError",
+    "WindowUsageError",
+    "WindowNotRegisteredError",
+    "WindowAlreadyRegisteredError",
+    "WindowBoundsError",
+    "WindowDtypeError",
+    "WindowRankError",
 ]
 
 
@@ -138,6 +151,62 @@ def make_post_hook_args(name: Any, async_op: bool, work: Optional[dist.Work], op
     args.work = work
     args.op_id = op_id
     return args
+
+
+# ------------------------------------------------------------------ window types
+
+if _compat.TorchWindowAccessType is not None:
+    WindowAccessType = _compat.TorchWindowAccessType
+    WindowAttr = _compat.TorchWindowAttr
+else:
+
+    class WindowAccessType(enum.Enum):  # type: ignore[no-redef]
+        """How a peer's window is reached: UNIFIED (mapped, one coherent copy) or
+        SEPARATE (a distinct copy reached by messages)."""
+
+        UNIFIED = 0
+        SEPARATE = 1
+
+    @dataclass
+    class WindowAttr:  # type: ignore[no-redef]
+        """What ``Window.get_attr(peer)`` reports."""
+
+        access_type: Any = WindowAccessType.UNIFIED
+
+
+def make_window_attr(access_type: Any) -> Any:
+    attr = WindowAttr()
+    attr.access_type = access_type
+    return attr
+
+
+if _compat.TorchPutOptions is not None:
+    PutOptions = _compat.TorchPutOptions
+    SignalOptions = _compat.TorchSignalOptions
+    WaitSignalOptions = _compat.TorchWaitSignalOptions
+else:
+    # torch's default timeout is -1 ms, meaning "the group's timeout"; so is ours.
+
+    @dataclass
+    class PutOptions:  # type: ignore[no-redef]
+        """Options of ``Window.put`` (same fields as torch 2.14's)."""
+
+        timeout: timedelta = timedelta(milliseconds=-1)
+        hints: dict[str, str] = field(default_factory=dict)
+
+    @dataclass
+    class SignalOptions:  # type: ignore[no-redef]
+        """Options of ``Window.signal`` (same fields as torch 2.14's)."""
+
+        timeout: timedelta = timedelta(milliseconds=-1)
+        hints: dict[str, str] = field(default_factory=dict)
+
+    @dataclass
+    class WaitSignalOptions:  # type: ignore[no-redef]
+        """Options of ``Window.wait_signal`` (same fields as torch 2.14's)."""
+
+        timeout: timedelta = timedelta(milliseconds=-1)
+        hints: dict[str, str] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------ reconfigure options
@@ -242,3 +311,40 @@ class PeerFailureError(CollectiveError):
 
 class CommunicationError(CollectiveError):
     """The backend failed the op for a local reason; the configuration was aborted."""
+
+
+# ----------------------------------------------------------------- window errors
+
+
+class WindowError(FTC10DError):
+    """Base of the errors of one-sided windows (``ProcessGroup.new_window``)."""
+
+
+class WindowInvalidError(WindowError, ProcessGroupAborted):
+    """The window's configuration was aborted or replaced (reconfigure, abort,
+    a peer's failure): a window belongs to one generation and dies with it.
+    Create a new window on the reconfigured group."""
+
+
+class WindowUsageError(WindowError, InvalidOptionError):
+    """A window op was called wrongly; nothing was sent and the window is intact."""
+
+
+class WindowNotRegisteredError(WindowUsageError):
+    """``put``/``map_remote_tensor`` before ``tensor_register`` (or after ``tensor_deregister``)."""
+
+
+class WindowAlreadyRegisteredError(WindowUsageError):
+    """``tensor_register`` on a window that already has a tensor."""
+
+
+class WindowBoundsError(WindowUsageError, IndexError):
+    """A put does not fit in the destination's window."""
+
+
+class WindowDtypeError(WindowUsageError, TypeError):
+    """A put's dtype differs from the destination window's dtype."""
+
+
+class WindowRankError(WindowUsageError):
+    """A peer rank that is not a rank of the window's configuration."""

@@ -281,6 +281,20 @@ class ProcessGroup(dist.ProcessGroup):
         if gen is not None:
             gen.backend.set_timeout(timeout)
 
+    # ------------------------------------------------------------ windows
+
+    @property
+    def supports_window(self) -> bool:
+        return True
+
+    def new_window(self, tensor: Optional[torch.Tensor] = None) -> Any:
+        """Collectively create a one-sided (RMA) window of the current configuration
+        (every rank, same order); ``tensor``, if given, is registered with it. See
+        ``ftc10d.window``: the window dies with this configuration."""
+        from ftc10d.window import new_window  # late: the window layer sits above pg/
+
+        return new_window(self, tensor)
+
     # -------------------------------------------------------------- hooks
 
     def register_abort_hook(self, hook_id: int, hook: Callable[[], None]) -> None:
