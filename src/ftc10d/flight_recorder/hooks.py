@@ -111,7 +111,18 @@ def attach(pg: ProcessGroup, recorder: Optional[FlightRecorder] = None) -> None:
         return
     rec = recorder or get_recorder()
     pg._observer = _Observer(rec)
-    pg.register_abort_hook(ABORT_HOOK_ID, _safe_dump)
+    ref = weakref.ref(pg)
+
+    def dump_on_abort() -> None:
+        # A planned reconfigure of an idle configuration is no incident: only dump
+        # when the abort interrupts something (a timeout, a failure, a stuck op).
+        group = ref()
+        gen = group.generation if group is not None else None
+        if gen is not None and gen.abort_reason.startswith("reconfigured to") and not gen.has_pending():
+            return
+        _safe_dump()
+
+    pg.register_abort_hook(ABORT_HOOK_ID, dump_on_abort)
     _groups.add(pg)
     install_signal_handler()
 

@@ -121,6 +121,10 @@ class Generation:
                     keep.append(item)
             self._pending = keep
 
+    def has_pending(self) -> bool:
+        """Whether any op of this generation is still running."""
+        return any(not inner.is_completed() for inner, _ in list(self._pending))
+
     def poll(self) -> None:
         """Report completions of pending works to their records (for a dump)."""
         for inner, entry in list(self._pending):
