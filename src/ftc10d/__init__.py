@@ -23,10 +23,13 @@ from ftc10d.types import (
     ConfigurationMismatchError,
     DuplicateHandleError,
     ErrorType,
+    Fenced,
     FTC10DError,
     HookOpName,
     InvalidHandleError,
     InvalidOptionError,
+    MembershipError,
+    MembershipTimeoutError,
     MissingHandleError,
     NotConfiguredError,
     PeerFailureError,
@@ -36,6 +39,7 @@ from ftc10d.types import (
     ReconfigureError,
     ReconfigureOptions,
     ReconfigureTimeoutError,
+    StoreUnavailableError,
     UuidReusedError,
 )
 
@@ -70,5 +74,9 @@ __all__ = [
     "CollectiveTimeoutError",
     "PeerFailureError",
     "CommunicationError",
+    "MembershipError",
+    "Fenced",
+    "MembershipTimeoutError",
+    "StoreUnavailableError",
     "__version__",
 ]
