@@ -55,6 +55,18 @@ def make_member(spec: dict[str, Any], handle: str, opts: dict[str, Any]) -> Any:
     )
 
 
+def _log_to(rank: int) -> None:
+    """With $FTC10D_TEST_LOG_DIR set, each worker logs ftc10d at INFO to <dir>/rank<r>.log (debugging)."""
+    root = os.environ.get("FTC10D_TEST_LOG_DIR")
+    if root:
+        import logging
+
+        handler = logging.FileHandler(os.path.join(root, f"rank{rank}-{os.getpid()}.log"))
+        handler.setFormatter(logging.Formatter("%(created).3f %(threadName)s %(message)s"))
+        logging.getLogger("ftc10d").addHandler(handler)
+        logging.getLogger("ftc10d").setLevel(logging.INFO)
+
+
 def _publish(control: dist.Store, rank: int, state: dict[str, Any]) -> None:
     control.set(f"test/state/{rank}", json.dumps(state))
 
@@ -68,9 +80,12 @@ def pg_worker(rank: int, world: int, port: int, spec: dict[str, Any], opts: dict
     import ftc10d
     from ftc10d.membership import ReconnectingTCPStore
 
+    _log_to(rank)
     control = client_store(port)
     if opts.get("pg_store") == "coordinator":
-        base: dist.Store = ReconnectingTCPStore(spec["host"], spec["port"], timeout=timedelta(seconds=30))
+        # A short store timeout: after the restart, the old generation's keys are gone and a
+        # read of them (naming a failed peer) blocks for it.
+        base: dist.Store = ReconnectingTCPStore(spec["host"], spec["port"], timeout=timedelta(seconds=5))
     else:
         base = client_store(port)
     pg = ftc10d.ProcessGroup(dist.PrefixStore("pg", base), rank, world,
@@ -120,9 +135,37 @@ def pg_worker(rank: int, world: int, port: int, spec: dict[str, Any], opts: dict
             except ftc10d.Fenced:
                 continue  # handled at the top of the loop
         time.sleep(opts.get("interval", 0.01))
-    member.close()
+    member.close(leave=True)
     return {"handle": handle, "member": member.id, "steps": steps, "events": events, "history": history,
             "fenced": fenced}
+
+
+class FileControl:
+    """The control channel through files, for workers in another network namespace
+    (a cut veth must not cut the test's view of them)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def stopped(self) -> bool:
+        return os.path.exists(os.path.join(self.root, "stop"))
+
+    def publish(self, rank: int, state: dict[str, Any]) -> None:
+        tmp = os.path.join(self.root, f".state-{rank}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+        os.replace(tmp, os.path.join(self.root, f"state-{rank}.json"))
+
+
+def read_file_states(root: str, ranks: list[int]) -> dict[int, dict[str, Any]]:
+    out = {}
+    for r in ranks:
+        try:
+            with open(os.path.join(root, f"state-{r}.json")) as f:
+                out[r] = json.load(f)
+        except (OSError, ValueError):
+            pass
+    return out
 
 
 def member_worker(rank: int, world: int, port: int, spec: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
@@ -132,13 +175,20 @@ def member_worker(rank: int, world: int, port: int, spec: dict[str, Any], opts: 
     enter_netns(opts.get("netns", {}).get(str(rank)))
     import ftc10d
 
-    control = client_store(opts["control_port"]) if opts.get("control_port") else client_store(port)
+    rank += opts.get("rank_offset", 0)
+    if opts.get("state_dir"):
+        files = FileControl(opts["state_dir"])
+        stopped, publish = files.stopped, lambda st: files.publish(rank, st)
+    else:
+        control = client_store(port)
+        stopped, publish = (lambda: control.check(["test/stop"])), (lambda st: _publish(control, rank, st))
     handle = f"ftc10d/v1/test/{os.getpid()}/{rank:016x}"
     member = make_member(spec, handle, opts).join()
     seen: list[list[Any]] = []
     fenced = ""
+    timeout_msg = ""
     last: Any = None
-    while not control.check(["test/stop"]):
+    while not stopped():
         try:
             cfg = member.current()
             if cfg is not None and cfg != last:
@@ -147,10 +197,17 @@ def member_worker(rank: int, world: int, port: int, spec: dict[str, Any], opts: 
         except ftc10d.Fenced as exc:
             fenced = str(exc)
         status = member.status(refresh=True)
-        _publish(control, rank, {"epoch": None if last is None else last.epoch, "size": 0 if last is None else last.size,
-                                 "uuid": None if last is None else last.uuid, "state": status.state,
-                                 "detail": status.detail, "member": member.id, "handle": handle,
-                                 "fenced": bool(fenced)})
+        if status.state == "blocked" and not timeout_msg and last is not None:
+            try:
+                member.wait_next(last.epoch, timeout=0.2)
+            except ftc10d.MembershipTimeoutError as exc:
+                timeout_msg = str(exc)
+            except ftc10d.MembershipError:
+                pass
+        publish({"epoch": None if last is None else last.epoch, "size": 0 if last is None else last.size,
+                 "uuid": None if last is None else last.uuid, "handles": [] if last is None else list(last.handles),
+                 "state": status.state, "detail": status.detail, "member": member.id, "handle": handle,
+                 "fenced": bool(fenced), "timeout_msg": timeout_msg})
         time.sleep(0.05)
-    member.close()
+    member.close(leave=True)
     return {"handle": handle, "member": member.id, "seen": seen, "fenced": fenced}

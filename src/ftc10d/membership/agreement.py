@@ -9,6 +9,7 @@ Configurations form a chain in the store, one slot per epoch::
     cfg/<epoch>         the configuration of that epoch (atomic create: the epoch bump)
     head                hint: an epoch known to exist (readers probe forward from it)
     pending/<epoch>     removals on top of <epoch> that could not be agreed yet, and why
+                        (each entry fades unless refreshed by a proposer that still holds it)
     mem/<id>            a member's record: handle, host, pid, last epoch/rank (leased)
     hb/<id>             its heartbeat counter (leased)
     joins               the join log (TCPStore: one appended line per join; etcd: join/<id> keys)
@@ -256,8 +257,10 @@ class Agreement:
         min_members: int = 1,
         expected: Optional[int] = None,
         require_majority: bool = True,
+        pending_ttl: float = 5.0,
     ) -> None:
         self.store = store
+        self.pending_ttl = pending_ttl
         self.signer = signer
         self.self_id = self_id
         self.min_members = min_members
@@ -344,28 +347,40 @@ class Agreement:
         return None if body is None else MemberInfo.from_body(body, member_id)
 
     def pending(self, epoch: int) -> tuple[dict[str, str], str, Optional[bytes]]:
-        """(removals awaiting agreement on top of ``epoch``, why they wait, raw record)."""
+        """(live removals awaiting agreement on top of ``epoch``, why they wait, raw record).
+
+        An entry lives ``pending_ttl`` seconds from its last refresh: suspicions are
+        kept alive by the detectors that still hold them (a dead member stays silent),
+        and fade if they were wrong (a store outage made everyone look silent)."""
         key = pending_key(epoch)
         raw = self.store.get(key)
         body = self.signer.decode(key, raw)
         if body is None or not isinstance(body.get("remove"), dict):
             return {}, "", raw
-        remove = {str(k): str(v) for k, v in body["remove"].items()}
-        return remove, str(body.get("blocked", "")), raw
-
-    # ----------------------------------------------------------------- writes
+        now = time.time()
+        remove = {}
+        for mid, entry in body["remove"].items():
+            if (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], (int, float))
+                    and (entry[0] in CONFIRMED or now - entry[1] < self.pending_ttl)):
+                remove[str(mid)] = str(entry[0])
+        return remove, str(body.get("blocked", "")) if remove else "", raw
 
     def _write_pending(self, epoch: int, removals: dict[str, str], blocked: str) -> None:
         key = pending_key(epoch)
         for _ in range(8):
-            have, _, raw = self.pending(epoch)
-            merged = dict(have)
-            for k, v in removals.items():
-                if merged.get(k) not in CONFIRMED:
-                    merged[k] = v
-            if merged == have and raw is not None:
-                return
-            value = self.signer.encode(key, {"kind": "pending", "remove": merged, "blocked": blocked, "t": time.time()})
+            raw = self.store.get(key)
+            body = self.signer.decode(key, raw) or {}
+            entries = body.get("remove") if isinstance(body.get("remove"), dict) else {}
+            now = time.time()
+            merged: dict[str, list[Any]] = {}
+            for mid, entry in entries.items():
+                if (mid != self.self_id and isinstance(entry, list) and len(entry) == 2
+                        and isinstance(entry[1], (int, float)) and now - entry[1] < self.pending_ttl):
+                    merged[mid] = entry
+            for mid, why in removals.items():
+                if mid != self.self_id and not (mid in merged and merged[mid][0] in CONFIRMED):
+                    merged[mid] = [why, now]
+            value = self.signer.encode(key, {"kind": "pending", "remove": merged, "blocked": blocked, "t": now})
             ok, _ = self.store.create(key, value) if raw is None else self.store.replace(key, raw, value)
             if ok:
                 return
@@ -435,7 +450,7 @@ class Agreement:
             pend, _, _ = self.pending(cur.epoch)
             for src in (pend, remove):
                 for mid, why in src.items():
-                    if mid in cur.members and removals.get(mid) not in CONFIRMED:
+                    if mid in cur.members and mid != self.self_id and removals.get(mid) not in CONFIRMED:
                         removals[mid] = why
             if self.self_id is not None and not cur.includes(self.self_id):
                 # Not a member of the latest configuration: only confirmed facts and joins may be proposed.

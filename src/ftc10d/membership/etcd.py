@@ -7,13 +7,14 @@ configuration of its own.
 
 - **Epoch bump**: a transaction ``compare(create_revision(cfg/<e>) == 0) ->
   put`` (its failure branch reads the winner, one round trip either way).
-- **Liveness**: each member holds a lease (TTL = ``ceil(heartbeat_timeout)``,
-  at least 1 s; etcd may round it up to its own minimum, 1.5x its election
-  timeout). Its member record, heartbeat and join entry are attached to it and
-  vanish when it is no longer renewed; a vanished heartbeat is a lapse at once.
-  Leases are coarse (whole seconds, expiry checked every 500 ms by etcd), so
-  the heartbeat counters, judged by the members' detectors, are what meets a
-  1 s timeout; the lease is the backstop and the garbage collector.
+- **Liveness**: each member holds a lease (``lease_ttl``, 3 s by default; etcd
+  may round it up to its own minimum, 1.5x its election timeout). Its member
+  record, heartbeat and join entry are attached to it and vanish when it is no
+  longer renewed; a vanished heartbeat is a lapse at once. Leases are coarse
+  (whole seconds, expiry checked every 500 ms by etcd) and a leader election
+  stalls their renewal, so the heartbeat counters, judged by the members'
+  detectors, are what meets a 1 s timeout; the lease is the backstop (a member
+  nobody watches any more still disappears) and the garbage collector.
 - **Watches**: :meth:`EtcdMembershipStore.wait_for` watches the next
   configuration's key from the revision it read, so the event cannot be missed.
 - **Joins**: ``join/<id>`` keys; the key's ``create_revision`` is its sequence number.
@@ -89,7 +90,7 @@ class EtcdMembershipStore(MembershipStore):
         *,
         prefix: str = DEFAULT_PREFIX,
         timeout: float = 2.0,
-        lease_ttl: Optional[float] = 1.0,
+        lease_ttl: float = 3.0,
         _lease: Optional[_Lease] = None,
     ) -> None:
         import etcd3gw  # noqa: F401  (the dependency this backend is documented to use)
@@ -101,7 +102,7 @@ class EtcdMembershipStore(MembershipStore):
         self.endpoints = list(endpoints)
         self.prefix = prefix
         self.timeout = timeout
-        self._lease = _lease or _Lease(max(1, math.ceil(lease_ttl or 1)))
+        self._lease = _lease or _Lease(max(1, math.ceil(lease_ttl)))
         self._clients: dict[int, Any] = {}
         self._idx = 0
         self.connection_epoch = 0

@@ -157,6 +157,7 @@ class Member:
         self._last_beat_ok = time.monotonic()
         self._verified_at = 0.0
         self._suspect_self = False
+        self._beat_gap_at = time.monotonic()  # when our own heartbeats last had a gap (or started)
         self._reports: "queue.Queue[tuple[str, str]]" = queue.Queue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -166,7 +167,8 @@ class Member:
     def _new_agreement(self, store: MembershipStore) -> Agreement:
         s = self._settings
         return Agreement(store, self._signer, self_id=self.id, min_members=s["min_members"],
-                         expected=s["expected"], require_majority=s["require_majority"])
+                         expected=s["expected"], require_majority=s["require_majority"],
+                         pending_ttl=5 * self.heartbeat_timeout)
 
     def __repr__(self) -> str:
         return f"Member({self.id}, {self.status()})"
@@ -372,8 +374,9 @@ class Member:
         return self
 
     def _abort_stale(self, cfg: Optional[Configuration]) -> None:
-        """Abort attached groups whose live configuration lost a member (or all of them
-        once fenced: ``cfg`` None). Never called with the member's condition held."""
+        """Abort attached groups whose live configuration lost a member (or all of them:
+        ``cfg`` None, once fenced or when the store lost its state). Never called with
+        the member's condition held."""
         for pg in list(self._pgs):
             try:
                 gen = pg.generation
@@ -381,7 +384,7 @@ class Member:
                     continue
                 if cfg is None or any(h not in cfg.handles for h in gen.handles):
                     logger.info("membership: %s aborts %r: %s", self.id, pg,
-                                "fenced" if cfg is None else f"{cfg} dropped a member")
+                                "its configuration is void" if cfg is None else f"{cfg} dropped a member")
                     pg.abort()
             except Exception:
                 logger.warning("membership: could not abort %r", pg, exc_info=True)
@@ -493,8 +496,10 @@ class Member:
             self._cv.notify_all()
         self._pgs.clear()
         for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(WAIT_SLICE + 1)
+            # The watch thread may sit in a server-side wait (up to WAIT_SLICE): it is a daemon
+            # and exits when that returns; the others stop within one interval.
+            if t is not threading.current_thread() and not t.name.endswith("watch"):
+                t.join(2.0)
         try:
             self._store.revoke()
         except Exception:
@@ -539,6 +544,9 @@ class Member:
                 self._inc = inc
                 self._reform = cur
                 self._reform_since = time.monotonic()
+            # The attached groups' generations kept their keys in the lost state: they could
+            # not even fail cleanly any more. Abort them now; sync() moves them onto the re-formed one.
+            self._abort_stale(None)
             self._publish(ag, last=cur)
 
     def _beat_loop(self) -> None:
@@ -553,6 +561,7 @@ class Member:
             now = time.monotonic()
             if now - prev_ok > self.heartbeat_timeout / 2:
                 self._suspect_self = True  # we were frozen or cut off: verify before the next op
+                self._beat_gap_at = now
             try:
                 self._beats += 1
                 store.put(key, self._signer.encode(key, {"n": self._beats}), leased=True)
@@ -585,6 +594,11 @@ class Member:
         body = MemberInfo(id=self.id, handle=self.handle).to_body()
         store.put(mem_key(self.id), self._signer.encode(mem_key(self.id), body), leased=True)
 
+    def _healthy(self, now: float) -> bool:
+        """Whether our own heartbeats have flowed for a full timeout: only then do we judge
+        others' silence (a store outage or our own freeze silences everyone alike)."""
+        return now - self._last_beat_ok < self.heartbeat_timeout / 2 and now - self._beat_gap_at > self.heartbeat_timeout
+
     def _detect_loop(self) -> None:
         store = self._store.clone()
         ag = self._new_agreement(store)
@@ -592,6 +606,8 @@ class Member:
         conn = store.connection_epoch
         last_attempt = 0.0
         last_blocked_set: Optional[frozenset[str]] = None
+        suspects: dict[str, str] = {}  # our own suspicions about members of `suspects_epoch`
+        suspects_epoch = -1
         next_t = time.monotonic()
         while self._running():
             reports: list[tuple[str, str]] = []
@@ -618,27 +634,32 @@ class Member:
                         out = ag.propose(reason="formed by " + self.id, reform=self._reform, force_first=force)
                         self._note(out)
                     continue
-                removals: dict[str, str] = {}
+                if cur.epoch != suspects_epoch:
+                    suspects, suspects_epoch = {}, cur.epoch
+                fresh: dict[str, str] = {}
                 for handle, why in reports:
                     for m, h in zip(cur.members, cur.handles):
-                        if h == handle and m != self.id:
-                            removals[m] = why
+                        if h == handle and m != self.id and m not in suspects:
+                            fresh[m] = why
                 if self.watchers > 0:
                     ids = ring_successors(cur, self.id, self.watchers)
                     if ids:
                         raws = store.get_many([hb_key(m) for m in ids])
-                        for m in detector.observe(ids, raws, time.monotonic()):
-                            removals.setdefault(m, "heartbeat")
+                        t = time.monotonic()
+                        for m in detector.observe(ids, raws, t, healthy=self._healthy(t)):
+                            if m not in suspects:
+                                fresh.setdefault(m, "heartbeat")
                 self._reachable()
-                retry_blocked = self._blocked is not None and now - last_attempt >= self.heartbeat_timeout
-                if not removals and not retry_blocked:
+                suspects.update(fresh)
+                retry = self._blocked is not None and suspects and now - last_attempt >= self.heartbeat_timeout
+                if not fresh and not retry:
                     continue
-                key = frozenset(removals)
-                if self._blocked is not None and key == last_blocked_set and now - last_attempt < self.heartbeat_interval:
-                    continue  # same blocked change: do not hammer the store
+                key = frozenset(suspects)
+                if not fresh and key == last_blocked_set and now - last_attempt < self.heartbeat_interval:
+                    continue
                 last_attempt = now
-                out = ag.propose(removals, reason=f"{self.id} saw " + ", ".join(
-                    f"{m}: {w}" for m, w in sorted(removals.items())) if removals else f"{self.id} retried")
+                why = ", ".join(f"{m}: {w}" for m, w in sorted(suspects.items()))
+                out = ag.propose(dict(suspects), reason=f"{self.id} saw {why}")
                 last_blocked_set = key if out.blocked else None
                 self._note(out)
             except StoreUnavailableError as exc:
