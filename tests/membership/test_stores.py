@@ -126,10 +126,10 @@ def test_bad_signature_is_ignored_and_logged(coordinator: Coordinator, caplog: A
         assert store.create(cfg_key(first.epoch + 1), forged)[0]
         # A forged join: a member record and heartbeat signed with the wrong key, and an unsigned one.
         store.put("mem/evil", forger.encode("mem/evil", {"kind": "member", "id": "evil", "handle": "ftc10d/v1/x/1/" + "e" * 16}))
-        store.put(hb_key("evil"), forger.encode(hb_key("evil"), {"n": 1}))
+        store.put(hb_key("evil"), forger.encode_beat(hb_key("evil"), 1))
         store.append_join("evil")
         store.put("mem/bare", Signer(None).encode("mem/bare", {"kind": "member", "id": "bare", "handle": "ftc10d/v1/x/2/" + "b" * 16}))
-        store.put(hb_key("bare"), Signer(None).encode(hb_key("bare"), {"n": 1}))
+        store.put(hb_key("bare"), Signer(None).encode_beat(hb_key("bare"), 1))
         store.append_join("bare")
         time.sleep(1.0)
         assert all(m.current().epoch == first.epoch for m in members), "a forged configuration was adopted"

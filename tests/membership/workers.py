@@ -176,6 +176,7 @@ def member_worker(rank: int, world: int, port: int, spec: dict[str, Any], opts: 
     import ftc10d
 
     rank += opts.get("rank_offset", 0)
+    _log_to(rank)
     if opts.get("state_dir"):
         files = FileControl(opts["state_dir"])
         stopped, publish = files.stopped, lambda st: files.publish(rank, st)

@@ -46,11 +46,12 @@ would start over.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from ftc10d.membership.records import Signer
@@ -61,6 +62,11 @@ logger = logging.getLogger("ftc10d")
 KEY_INC = "inc"
 KEY_START = "start"
 KEY_HEAD = "head"
+
+#: Configurations up to this size are always written in full; bigger ones as deltas...
+FULL_LIMIT = 64
+#: ...with a full record at least every this many epochs (bounds a reader's walk back).
+FULL_EVERY = 16
 
 #: Removal reasons that are facts, not suspicions: they do not need a majority.
 CONFIRMED = frozenset({"exit", "left", "superseded"})
@@ -106,6 +112,8 @@ class Configuration:
     joins_upto: int = 0
     min_members: int = 1
     reason: str = ""
+    #: Epoch of the last full record in this configuration's chain (deltas in between).
+    full_epoch: int = field(default=0, compare=False)
 
     @property
     def size(self) -> int:
@@ -131,39 +139,69 @@ class Configuration:
         except ValueError:
             return None
 
-    def to_body(self) -> dict[str, Any]:
-        return {
-            "kind": "config",
-            "epoch": self.epoch,
-            "uuid": self.uuid,
-            "members": [[m, h] for m, h in zip(self.members, self.handles)],
-            "inc": self.incarnation,
-            "joins": self.joins_upto,
-            "min": self.min_members,
-            "reason": self.reason,
+    @property
+    def digest(self) -> str:
+        """Names the ordered member list: a delta record is checked against it."""
+        text = "\n".join(f"{m} {h}" for m, h in zip(self.members, self.handles))
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def to_body(self, prev: Optional["Configuration"] = None) -> dict[str, Any]:
+        """The record of this configuration: the full member list, or, for a big one whose
+        predecessor is ``prev``, only what changed (``removed``/``added``). At 4,096 members
+        the full list is ~250 KB, and every member reads every record: a delta is ~100 B."""
+        body: dict[str, Any] = {
+            "kind": "config", "epoch": self.epoch, "uuid": self.uuid, "inc": self.incarnation,
+            "joins": self.joins_upto, "min": self.min_members, "reason": self.reason,
+            "size": self.size, "digest": self.digest,
         }
+        delta = (prev is not None and prev.epoch == self.epoch - 1 and prev.incarnation == self.incarnation
+                 and self.size > FULL_LIMIT and self.epoch - prev.full_epoch < FULL_EVERY)
+        if delta:
+            assert prev is not None
+            keep = set(self.members)
+            old = set(prev.members)
+            body["base"] = prev.epoch
+            body["removed"] = [m for m in prev.members if m not in keep]
+            body["added"] = [[m, h] for m, h in zip(self.members, self.handles) if m not in old]
+        else:
+            body["members"] = [[m, h] for m, h in zip(self.members, self.handles)]
+        return body
 
     @classmethod
-    def from_body(cls, body: dict[str, Any], epoch: int) -> Optional["Configuration"]:
-        """Validate a record's shape; None if it is not a configuration of ``epoch``."""
+    def from_body(cls, body: dict[str, Any], epoch: int,
+                  prev: Optional["Configuration"] = None) -> Optional["Configuration"]:
+        """Validate a record's shape (a delta needs its base, ``prev``); None if it is not a
+        configuration of ``epoch`` or does not reproduce its digest."""
         try:
-            members = body["members"]
             ok = (
                 body.get("kind") == "config"
                 and body["epoch"] == epoch
                 and isinstance(body["uuid"], int) and not isinstance(body["uuid"], bool)
                 and 0 < body["uuid"] < 2**63
-                and isinstance(members, list)
-                and all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in members)
                 and isinstance(body["inc"], str)
                 and isinstance(body.get("joins", 0), int)
                 and isinstance(body.get("min", 1), int)
             )
+            if not ok:
+                return None
+            full_epoch = epoch
+            if "members" in body:
+                members = body["members"]
+            else:
+                if prev is None or body.get("base") != prev.epoch or prev.epoch != epoch - 1 \
+                        or prev.incarnation != body["inc"]:
+                    return None
+                gone = set(body["removed"])
+                members = [[m, h] for m, h in zip(prev.members, prev.handles) if m not in gone] + body["added"]
+                full_epoch = prev.full_epoch
+            if not (isinstance(members, list) and all(
+                    isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in members)):
+                return None
         except (KeyError, TypeError):
             return None
-        if not ok or len({m for m, _ in members}) != len(members) or len({h for _, h in members}) != len(members):
+        if len({m for m, _ in members}) != len(members) or len({h for _, h in members}) != len(members):
             return None
-        return cls(
+        cfg = cls(
             epoch=epoch,
             uuid=body["uuid"],
             handles=tuple(h for _, h in members),
@@ -172,7 +210,11 @@ class Configuration:
             joins_upto=body.get("joins", 0),
             min_members=body.get("min", 1),
             reason=str(body.get("reason", ""))[:500],
+            full_epoch=full_epoch,
         )
+        if "digest" in body and body["digest"] != cfg.digest:
+            return None
+        return cfg
 
     def __str__(self) -> str:
         return f"epoch {self.epoch} (uuid {self.uuid}, {self.size} member(s))"
@@ -268,6 +310,7 @@ class Agreement:
         self.require_majority = require_majority
         self._inc: Optional[str] = None
         self._inc_conn = -1  # the store's connection_epoch when _inc was read
+        self._cache: dict[tuple[str, int], Configuration] = {}
 
     # ------------------------------------------------------------------ reads
 
@@ -305,14 +348,30 @@ class Agreement:
         return self.incarnation(create=False)
 
     def read_config(self, epoch: int, raw: Optional[bytes] = None) -> Optional[Configuration]:
+        """The verified configuration of ``epoch`` (None if absent or bad). A delta record is
+        applied to its predecessor, from the cache or read (walking back to a full record)."""
         key = cfg_key(epoch)
         body = self.signer.decode(key, self.store.get(key) if raw is None else raw)
         if body is None:
             return None
-        cfg = Configuration.from_body(body, epoch)
+        prev = None
+        if "members" not in body and isinstance(body.get("base"), int) and body["base"] == epoch - 1:
+            prev = self._cache.get((str(body.get("inc")), epoch - 1))
+            if prev is None and epoch - 1 >= 1:
+                prev = self.read_config(epoch - 1)
+        cfg = Configuration.from_body(body, epoch, prev)
         if cfg is None:
             self.signer._reject(key, str(body)[:200].encode(), "not a valid configuration")
+            return None
+        self.remember(cfg)
         return cfg
+
+    def remember(self, cfg: Configuration) -> None:
+        """Keep ``cfg`` as the base for reading the next delta record."""
+        self._cache[(cfg.incarnation, cfg.epoch)] = cfg
+        if len(self._cache) > 2 * FULL_EVERY:
+            for k in sorted(self._cache, key=lambda k: k[1])[: len(self._cache) - FULL_EVERY]:
+                del self._cache[k]
 
     def latest(self, hint: Optional[int] = None) -> Optional[Configuration]:
         """The newest valid configuration of this incarnation (None before the first one)."""
@@ -385,10 +444,14 @@ class Agreement:
             if ok:
                 return
 
-    def _install(self, cfg: Configuration) -> tuple[bool, Optional[Configuration]]:
+    def _install(self, cfg: Configuration, prev: Optional[Configuration] = None) -> tuple[bool, Optional[Configuration]]:
         """Create ``cfg/<epoch>``; a slot holding a bad record is taken over by CAS."""
         key = cfg_key(cfg.epoch)
-        value = self.signer.encode(key, cfg.to_body())
+        if prev is not None and cfg.size > FULL_LIMIT and cfg.epoch - prev.full_epoch < FULL_EVERY:
+            cfg = replace(cfg, full_epoch=prev.full_epoch)
+        else:
+            cfg = replace(cfg, full_epoch=cfg.epoch)
+        value = self.signer.encode(key, cfg.to_body(prev))
         for _ in range(4):
             ok, now = self.store.create(key, value)
             if ok:
@@ -405,6 +468,7 @@ class Agreement:
             self.store.put(KEY_HEAD, self.signer.encode(KEY_HEAD, {"epoch": cfg.epoch}))
         except Exception:
             logger.debug("could not update the head hint", exc_info=True)
+        self.remember(cfg)
         logger.info("membership: agreed %s: %s", cfg, cfg.reason)
         return True, cfg
 
@@ -480,9 +544,9 @@ class Agreement:
                 members=tuple(m for m, _ in new), incarnation=cur.incarnation, joins_upto=upto,
                 min_members=cur.min_members, reason=why,
             )
-            won, now = self._install(cfg)
+            won, now = self._install(cfg, prev=cur)
             if won:
-                return Outcome(cfg, changed=True, removed=removals)
+                return Outcome(now, changed=True, removed=removals)
             renew_after = None if renew_after is None else max(renew_after, cfg.epoch - 1)
             # Lost the race: re-evaluate on top of the winner (our removals may be done already).
         return Outcome(self.latest(), blocked="too much contention proposing the next configuration")
@@ -551,7 +615,7 @@ class Agreement:
         )
         won, now = self._install(cfg)
         if won:
-            return Outcome(cfg, changed=True)
+            return Outcome(now, changed=True)
         return Outcome(self.latest())
 
     def report_exit(self, handle: str, *, reason: str = "exit") -> Outcome:

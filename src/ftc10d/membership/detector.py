@@ -31,11 +31,7 @@ from ftc10d.membership.records import Signer
 
 
 def beat_counter(signer: Signer, member_id: str, raw: Optional[bytes]) -> Optional[int]:
-    body = signer.decode(hb_key(member_id), raw)
-    if body is None:
-        return None
-    n = body.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) else None
+    return signer.decode_beat(hb_key(member_id), raw)
 
 
 class LapseDetector:

@@ -202,7 +202,7 @@ class Member:
         )
         ag.store.put(mem_key(self.id), self._signer.encode(mem_key(self.id), info.to_body()), leased=True)
         self._beats += 1
-        ag.store.put(hb_key(self.id), self._signer.encode(hb_key(self.id), {"n": self._beats}), leased=True)
+        ag.store.put(hb_key(self.id), self._signer.encode_beat(hb_key(self.id), self._beats), leased=True)
         ag.store.append_join(self.id)
         self._join_seq = None
 
@@ -564,7 +564,7 @@ class Member:
                 self._beat_gap_at = now
             try:
                 self._beats += 1
-                store.put(key, self._signer.encode(key, {"n": self._beats}), leased=True)
+                store.put(key, self._signer.encode_beat(key, self._beats), leased=True)
                 if now - last_keepalive > self.heartbeat_interval * 2:
                     store.keepalive()
                     last_keepalive = now
@@ -688,6 +688,7 @@ class Member:
                     self._check_incarnation(ag)
                 cur = self._current
                 if cur is not None and cur.incarnation == self._inc and self._reform is None:
+                    ag.remember(cur)  # the base of the next record if that is a delta
                     raw = store.wait_for(cfg_key(cur.epoch + 1), WAIT_SLICE)
                     self._reachable()
                     if raw is None or not self._running():
