@@ -311,6 +311,7 @@ class Agreement:
         self._inc: Optional[str] = None
         self._inc_conn = -1  # the store's connection_epoch when _inc was read
         self._cache: dict[tuple[str, int], Configuration] = {}
+        self._round: Optional[tuple[Configuration, dict[str, str], list[tuple[int, str]]]] = None
 
     # ------------------------------------------------------------------ reads
 
@@ -374,21 +375,29 @@ class Agreement:
                 del self._cache[k]
 
     def latest(self, hint: Optional[int] = None) -> Optional[Configuration]:
-        """The newest valid configuration of this incarnation (None before the first one)."""
+        """The newest valid configuration of this incarnation (None before the first one).
+
+        One round trip on a store that lists keys (etcd: the highest ``cfg/`` key);
+        otherwise from the ``start`` record and the ``head``/``hint`` epochs, probing
+        forward for slots created since."""
         inc = self._inc_or_read()
-        base = self.start_epoch()
-        if base is None or inc is None:
+        if inc is None:
             return None
-        best = self.store.highest("cfg/")
+        top = self.store.highest("cfg/")
+        if top is not None:
+            cfg = self.read_config(top[0], raw=top[1])
+            if cfg is not None and cfg.incarnation == inc:
+                return cfg
+            # A bad record at the top (forged, or being replaced): walk the chain below.
+        base = self.start_epoch()
+        if base is None:
+            return None
         epoch = base
-        if best is not None:
-            epoch = max(epoch, best)
-        else:
-            head = self._read(KEY_HEAD)
-            if head is not None and isinstance(head.get("epoch"), int):
-                epoch = max(epoch, head["epoch"])
-            if hint is not None:
-                epoch = max(epoch, hint)
+        head = self._read(KEY_HEAD)
+        if head is not None and isinstance(head.get("epoch"), int):
+            epoch = max(epoch, head["epoch"])
+        if hint is not None:
+            epoch = max(epoch, hint)
         cfg = self.read_config(epoch)
         if cfg is None and epoch != base:
             epoch, cfg = base, self.read_config(base)
@@ -411,18 +420,43 @@ class Agreement:
         An entry lives ``pending_ttl`` seconds from its last refresh: suspicions are
         kept alive by the detectors that still hold them (a dead member stays silent),
         and fade if they were wrong (a store outage made everyone look silent)."""
-        key = pending_key(epoch)
-        raw = self.store.get(key)
-        body = self.signer.decode(key, raw)
+        raw = self.store.get(pending_key(epoch))
+        remove, blocked = self._parse_pending(epoch, raw)
+        return remove, blocked, raw
+
+    def _parse_pending(self, epoch: int, raw: Optional[bytes]) -> tuple[dict[str, str], str]:
+        body = self.signer.decode(pending_key(epoch), raw)
         if body is None or not isinstance(body.get("remove"), dict):
-            return {}, "", raw
+            return {}, ""
         now = time.time()
         remove = {}
         for mid, entry in body["remove"].items():
             if (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], (int, float))
                     and (entry[0] in CONFIRMED or now - entry[1] < self.pending_ttl)):
                 remove[str(mid)] = str(entry[0])
-        return remove, str(body.get("blocked", "")) if remove else "", raw
+        return remove, str(body.get("blocked", "")) if remove else ""
+
+    def _read_round(self, cur: Optional[Configuration]) -> tuple[Optional[Configuration], dict[str, str], list[tuple[int, str]]]:
+        """What a proposal is computed from: the latest configuration, its pending removals
+        and the joins logged since it. One round trip on etcd; a few cheap ones on TCPStore."""
+        inc = self._inc_or_read()
+        if cur is None and self.store.lists_keys and inc is not None:
+            known = [c.joins_upto for (i, _), c in self._cache.items() if i == inc]
+            head = self.store.read_head(max(known, default=0))  # a lower bound of the latest's cursor
+            if head is not None and head.top is not None:
+                top = self.read_config(head.top[0], raw=head.top[1])
+                if top is not None and top.incarnation == inc:
+                    pend: dict[str, str] = {}
+                    if head.pending is not None and head.pending[0] == top.epoch:
+                        pend = self._parse_pending(top.epoch, head.pending[1])[0]
+                    self._round = (top, pend, [(q, m) for q, m in head.joins if q > top.joins_upto])
+                    return self._round
+        if cur is None:
+            cur = self.latest()
+        if cur is None:
+            return None, {}, []
+        self._round = (cur, self.pending(cur.epoch)[0], self.store.read_joins(cur.joins_upto))
+        return self._round
 
     def _write_pending(self, epoch: int, removals: dict[str, str], blocked: str) -> None:
         key = pending_key(epoch)
@@ -464,10 +498,11 @@ class Agreement:
                 break
         else:
             return False, None
-        try:
-            self.store.put(KEY_HEAD, self.signer.encode(KEY_HEAD, {"epoch": cfg.epoch}))
-        except Exception:
-            logger.debug("could not update the head hint", exc_info=True)
+        if not self.store.lists_keys:
+            try:
+                self.store.put(KEY_HEAD, self.signer.encode(KEY_HEAD, {"epoch": cfg.epoch}))
+            except Exception:
+                logger.debug("could not update the head hint", exc_info=True)
         self.remember(cfg)
         logger.info("membership: agreed %s: %s", cfg, cfg.reason)
         return True, cfg
@@ -496,6 +531,7 @@ class Agreement:
         renew_after: Optional[int] = None,
         reform: Optional[Configuration] = None,
         force_first: bool = False,
+        cur: Optional[Configuration] = None,
     ) -> Outcome:
         """Try to agree on the configuration after the latest one.
 
@@ -503,15 +539,18 @@ class Agreement:
         confirmed; anything else is a suspicion). Pending joins are admitted.
         ``renew_after``: also propose when nothing changed, unless the latest
         epoch is already past this one (a rendezvous that failed burned its uuid).
-        ``reform``/``force_first``: see :meth:`propose_first`.
+        ``reform``/``force_first``: see :meth:`propose_first`. ``cur``: the latest
+        configuration, if the caller just read it (saves a round of reads).
         """
         remove = dict(remove or {})
-        for _ in range(32):
-            cur = self.latest()
+        for attempt in range(32):
+            if attempt == 0 and cur is not None and self._round is not None and self._round[0] is cur:
+                cur, pend, joins = self._round  # the caller just read this round (report_exit)
+            else:
+                cur, pend, joins = self._read_round(cur if attempt == 0 else None)
             if cur is None:
                 return self.propose_first(reason=reason or "initial configuration", reform=reform, force=force_first)
             removals: dict[str, str] = {}
-            pend, _, _ = self.pending(cur.epoch)
             for src in (pend, remove):
                 for mid, why in src.items():
                     if mid in cur.members and mid != self.self_id and removals.get(mid) not in CONFIRMED:
@@ -519,7 +558,7 @@ class Agreement:
             if self.self_id is not None and not cur.includes(self.self_id):
                 # Not a member of the latest configuration: only confirmed facts and joins may be proposed.
                 removals = {m: w for m, w in removals.items() if w in CONFIRMED}
-            admit, upto = self._admissions(cur)
+            admit, upto = self._admissions(cur, joins)
             joining = {i.handle for i in admit}
             for mid, h in zip(cur.members, cur.handles):
                 if h in joining:
@@ -551,11 +590,11 @@ class Agreement:
             # Lost the race: re-evaluate on top of the winner (our removals may be done already).
         return Outcome(self.latest(), blocked="too much contention proposing the next configuration")
 
-    def _admissions(self, cur: Configuration) -> tuple[list[MemberInfo], int]:
+    def _admissions(self, cur: Configuration, joins: list[tuple[int, str]]) -> tuple[list[MemberInfo], int]:
         """Joins logged after ``cur`` was agreed that can be admitted now, and the new cursor."""
         upto = cur.joins_upto
         admit: dict[str, MemberInfo] = {}  # handle -> newest join of that handle
-        for seq, mid in self.store.read_joins(cur.joins_upto):
+        for seq, mid in joins:
             upto = max(upto, seq)
             if mid in cur.members:
                 continue
@@ -621,13 +660,13 @@ class Agreement:
     def report_exit(self, handle: str, *, reason: str = "exit") -> Outcome:
         """A supervisor saw the process behind ``handle`` exit: remove it now (confirmed,
         so no majority is needed). Returns the outcome (unchanged if it was not a member)."""
-        cur = self.latest()
+        cur, _, _ = self._read_round(None)
         if cur is None:
             return Outcome(None)
         ids = [m for m, h in zip(cur.members, cur.handles) if h == handle]
         if not ids:
             return Outcome(cur)
-        return self.propose({m: reason for m in ids}, reason=f"{handle} exited")
+        return self.propose({m: reason for m in ids}, reason=f"{handle} exited", cur=cur)
 
 
 def local_identity() -> tuple[str, int]:

@@ -39,7 +39,7 @@ from typing import Any, Optional, Union
 
 import requests
 
-from ftc10d.membership.store import MembershipStore
+from ftc10d.membership.store import Head, MembershipStore
 from ftc10d.types import StoreUnavailableError
 
 logger = logging.getLogger("ftc10d")
@@ -245,16 +245,46 @@ class EtcdMembershipStore(MembershipStore):
     def replace(self, key: str, expected: bytes, value: bytes) -> tuple[bool, bytes]:
         return self._cas(key, {"result": "EQUAL", "target": "VALUE", "value": _b64(expected)}, value)
 
-    def highest(self, prefix: str) -> Optional[int]:
+    lists_keys = True
+
+    def highest(self, prefix: str) -> Optional[tuple[int, bytes]]:
         out = self._post("/kv/range", {"key": _b64(self._k(prefix)), "range_end": _range_end(self._k(prefix)),
-                                       "sort_order": "DESCEND", "sort_target": "KEY", "limit": 1, "keys_only": True})
+                                       "sort_order": "DESCEND", "sort_target": "KEY", "limit": 1})
         kvs = out.get("kvs") or []
         if not kvs:
             return None
         try:
-            return int(_unb64(kvs[0]["key"]).decode().rsplit("/", 1)[-1])
+            return int(_unb64(kvs[0]["key"]).decode().rsplit("/", 1)[-1]), _unb64(kvs[0].get("value", ""))
         except ValueError:
             return None
+
+    def read_head(self, joins_after: int) -> Optional[Head]:
+        def top(prefix: str) -> dict[str, Any]:
+            p = self._k(prefix)
+            return {"request_range": {"key": _b64(p), "range_end": _range_end(p), "sort_order": "DESCEND",
+                                      "sort_target": "KEY", "limit": 1}}
+
+        j = self._k("join/")
+        out = self._post("/kv/txn", {"success": [
+            top("cfg/"), top("pending/"),
+            {"request_range": {"key": _b64(j), "range_end": _range_end(j), "keys_only": True,
+                               "min_create_revision": joins_after + 1, "sort_order": "ASCEND",
+                               "sort_target": "CREATE"}},
+        ]})
+        ranges = [r.get("response_range", {}).get("kvs") or [] for r in out.get("responses", [])]
+        if len(ranges) != 3:
+            return None
+
+        def slot(kvs: list[dict[str, Any]]) -> Optional[tuple[int, bytes]]:
+            if not kvs:
+                return None
+            try:
+                return int(_unb64(kvs[0]["key"]).decode().rsplit("/", 1)[-1]), _unb64(kvs[0].get("value", ""))
+            except ValueError:
+                return None
+
+        joins = [(int(kv["create_revision"]), _unb64(kv["key"]).decode()[len(j):]) for kv in ranges[2]]
+        return Head(slot(ranges[0]), slot(ranges[1]), joins)
 
     # ------------------------------------------------------------------- joins
 

@@ -23,11 +23,21 @@ be reached (after the backend's own reconnect/failover attempts).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from ftc10d.types import StoreUnavailableError
 
-__all__ = ["MembershipStore", "StoreUnavailableError"]
+__all__ = ["MembershipStore", "StoreUnavailableError", "Head"]
+
+
+class Head(NamedTuple):
+    """What a proposer reads before it writes, in one round trip where the backend can:
+    the highest configuration slot, the highest pending record, and the joins logged
+    after a sequence number (each slot as (epoch, raw value))."""
+
+    top: Optional[tuple[int, bytes]]
+    pending: Optional[tuple[int, bytes]]
+    joins: list[tuple[int, str]]
 
 
 class MembershipStore(ABC):
@@ -73,9 +83,17 @@ class MembershipStore(ABC):
     def replace(self, key: str, expected: bytes, value: bytes) -> tuple[bool, bytes]:
         """Atomically set ``key`` to ``value`` iff it holds ``expected``. Returns (swapped, value now stored)."""
 
-    def highest(self, prefix: str) -> Optional[int]:
-        """The largest integer suffix of a key under ``prefix`` (``cfg/<n>``), if the
-        backend can list keys cheaply (etcd); None makes callers probe from a hint."""
+    #: Whether :meth:`highest` works (the backend lists keys in order cheaply).
+    lists_keys: bool = False
+
+    def highest(self, prefix: str) -> Optional[tuple[int, bytes]]:
+        """The key under ``prefix`` with the largest integer suffix (``cfg/<n>``) and its
+        value, in one round trip, if the backend lists keys (etcd); None otherwise, and
+        callers probe forward from a hint."""
+        return None
+
+    def read_head(self, joins_after: int) -> Optional[Head]:
+        """See :class:`Head`; None if the backend cannot do it in one round trip."""
         return None
 
     #: Incremented by the backend each time it had to reconnect to a store that
