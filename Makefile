@@ -18,7 +18,7 @@ STAMP    := $(VENV)/.ftc10d-installed
 STAMP214 := $(VENV214)/.ftc10d-installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv venv214 test test-torch214 demo bench clean distclean
+.PHONY: help etcd venv venv214 test test-torch214 demo bench clean distclean
 
 help:  ## list the targets
 	@echo "make demo            kill a rank of a 4-rank job and watch it recover in place"
@@ -46,10 +46,19 @@ $(STAMP214): pyproject.toml
 	$(VENV214)/bin/python -m pip install $(PIP_FLAGS) -e '.[test]'
 	@touch $@
 
-test: $(STAMP)
+# etcd (the HA membership backend's server) comes from Debian; installed only when
+# missing and only as root. Without it the etcd tests skip, saying why.
+etcd:
+	@command -v etcd >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null) || \
+	  echo "make: etcd not installed (needs root and apt-get); etcd tests will skip"; }
+	@# Debian's package starts a system etcd on 2379; the tests start their own on other ports.
+	@command -v systemctl >/dev/null 2>&1 && systemctl disable --now etcd >/dev/null 2>&1 || true
+
+test: $(STAMP) etcd
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests
 
-test-torch214: $(STAMP214)
+test-torch214: $(STAMP214) etcd
 	$(VENV214)/bin/python -m pytest -q $(PYTEST_ARGS) tests
 
 demo: $(STAMP)

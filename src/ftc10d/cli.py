@@ -1,4 +1,4 @@
-"""The ``ftc10d`` command line: ``ftc10d demo | version`` (launch, trace, coordinator
+"""The ``ftc10d`` command line: ``ftc10d demo | coordinator | version`` (launch, trace
 and bench come with their layers).
 
 Each subcommand is one function decorated with :func:`subcommand`, which
@@ -82,6 +82,54 @@ def demo(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         log_level=logging.INFO if args.verbose else None,
     )
+
+
+@subcommand(
+    "coordinator",
+    "host the membership store (a TCPStore) and detect lapsed heartbeats",
+    arg("--port", type=int, default=29400, metavar="N", help="TCP port to listen on (default: 29400; 0 picks one)"),
+    arg("--host", default="127.0.0.1", metavar="ADDR",
+        help="address to bind (default: 127.0.0.1, loopback only; 0.0.0.0 for every interface)"),
+    arg("--heartbeat-timeout", type=float, default=1.0, metavar="SECONDS",
+        help="remove a member whose heartbeat is silent this long (default: 1)"),
+    arg("--no-detect", dest="detect", action="store_false",
+        help="only host the store; leave failure detection to the members"),
+    arg("--prefix", default=None, metavar="KEY", help="key prefix of the membership records"),
+)
+def coordinator(args: argparse.Namespace) -> int:
+    """Run a membership coordinator until SIGINT/SIGTERM: a torch TCPStore bound to
+    --host (loopback unless told otherwise) that ranks use for membership (and may
+    use for their ProcessGroup's rendezvous), plus a detector that watches every
+    member's heartbeat. With $FTC10D_TOKEN set, membership records are HMAC-signed
+    and records with a bad signature are ignored. Prints one line per agreed
+    configuration. The store is in memory: if the coordinator restarts, members
+    rejoin and re-form a configuration with a fresh uuid."""
+    if args.port < 0 or args.port > 65535:
+        args.parser.error("--port must be in [0, 65535]")
+    if args.heartbeat_timeout <= 0:
+        args.parser.error("--heartbeat-timeout must be positive")
+    import signal
+    import threading
+
+    from ftc10d.membership import tcp
+
+    kwargs = {} if args.prefix is None else {"prefix": args.prefix}
+    co = tcp.Coordinator(args.host, args.port, detect=args.detect, heartbeat_timeout=args.heartbeat_timeout, **kwargs)
+    co.start()
+    print(f"ftc10d coordinator listening on {co.address} (detector {'on' if args.detect else 'off'}, "
+          f"heartbeat timeout {args.heartbeat_timeout:g} s, records {'signed' if co.signer.signed else 'unsigned'})",
+          flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    last = None
+    while not done.wait(0.2):
+        cfg = co.latest
+        if cfg is not None and cfg != last:
+            print(f"epoch {cfg.epoch}: uuid {cfg.uuid}, {cfg.size} member(s) ({cfg.reason})", flush=True)
+            last = cfg
+    co.close()
+    return 0
 
 
 @subcommand("version", "print the versions of ftc10d, torch and Python, and what this torch supports natively")

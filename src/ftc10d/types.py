@@ -56,6 +56,10 @@ __all__ = [
     "WindowBoundsError",
     "WindowDtypeError",
     "WindowRankError",
+    "MembershipError",
+    "Fenced",
+    "MembershipTimeoutError",
+    "StoreUnavailableError",
 ]
 
 
@@ -348,3 +352,37 @@ class WindowDtypeError(WindowUsageError, TypeError):
 
 class WindowRankError(WindowUsageError):
     """A peer rank that is not a rank of the window's configuration."""
+
+# ------------------------------------------------------------------ membership
+
+
+class MembershipError(FTC10DError):
+    """A failure of the membership layer (``ftc10d.membership``)."""
+
+
+class Fenced(MembershipError):
+    """This member was removed from the membership (it was frozen, partitioned,
+    reported dead, or superseded by a rejoin of the same process) and a later
+    configuration excludes it. It can never take part again under this identity:
+    create a new member (``Member.rejoin()``) to be admitted at a later epoch.
+
+    ``epoch`` is the first configuration that excludes this member; ``member_id``
+    the fenced identity."""
+
+    def __init__(self, message: str, *, member_id: str = "", epoch: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.member_id = member_id
+        self.epoch = epoch
+
+
+class MembershipTimeoutError(MembershipError, TimeoutError):
+    """No (next) configuration was agreed in time. The message says why
+    (``status``): e.g. below ``min_members``, no majority, store unreachable."""
+
+    def __init__(self, message: str, *, status: Any = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class StoreUnavailableError(MembershipError, ConnectionError):
+    """The membership store could not be reached (all endpoints tried)."""

@@ -1,0 +1,69 @@
+"""Heartbeat-lapse detection, judged on the observer's own clock.
+
+A member writes ``hb/<id>`` = a signed, strictly increasing counter every
+``heartbeat_interval``. An observer reads the counters of the members it
+watches every ``watch_interval`` and remembers, for each, the *local*
+monotonic time at which it last saw the counter increase. A member whose
+counter has not increased for ``timeout`` seconds of the observer's time has
+lapsed (it is frozen, partitioned, or dead without a supervisor noticing).
+
+Judging on the observer's clock needs no clock synchronisation between hosts;
+and because a lapse needs *two reads* spanning ``timeout`` with no increase,
+an observer that was itself frozen or starved does not mistake its own pause
+for its peers' (its first read after waking sees their counters moved on).
+
+An observer whose own reads stalled (the store was electing a new leader, or
+was overloaded) or who was frozen itself sees *everyone* silent for the length
+of its own gap: when two of its reads are more than half a timeout apart, it
+restarts every member's clock instead of judging them on that gap.
+
+A heartbeat with a bad signature, or a counter that went backwards (a replayed
+old record), counts as no beat. A heartbeat that vanished (an expired etcd
+lease) is a lapse at once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ftc10d.membership.agreement import hb_key
+from ftc10d.membership.records import Signer
+
+
+def beat_counter(signer: Signer, member_id: str, raw: Optional[bytes]) -> Optional[int]:
+    return signer.decode_beat(hb_key(member_id), raw)
+
+
+class LapseDetector:
+    """Tracks heartbeat counters of a changing set of members."""
+
+    def __init__(self, signer: Signer, timeout: float) -> None:
+        self.signer = signer
+        self.timeout = timeout
+        self._last: dict[str, tuple[int, float]] = {}  # id -> (highest counter, local time it was first seen)
+        self._prev_now: Optional[float] = None
+
+    def observe(self, ids: list[str], raws: list[Optional[bytes]], now: float, healthy: bool = True) -> list[str]:
+        """Record one read of ``ids``' heartbeats at local time ``now``; return those that lapsed.
+        Members no longer in ``ids`` are forgotten; new ones get a full ``timeout`` of grace.
+        ``healthy=False`` (the observer's own heartbeats are not flowing) judges nobody."""
+        lapsed: list[str] = []
+        keep: dict[str, tuple[int, float]] = {}
+        if not healthy or (self._prev_now is not None and now - self._prev_now > self.timeout / 2):
+            # Our own observation had a gap: nobody can be judged on it.
+            self._last = {m: (n, now) for m, (n, _) in self._last.items()}
+        self._prev_now = now
+        for mid, raw in zip(ids, raws):
+            prev = self._last.get(mid)
+            n = beat_counter(self.signer, mid, raw)
+            if prev is None:
+                keep[mid] = (n if n is not None else -1, now)
+                continue
+            if n is not None and n > prev[0]:
+                keep[mid] = (n, now)
+                continue
+            keep[mid] = prev
+            if healthy and ((raw is None and prev[0] >= 0) or now - prev[1] > self.timeout):
+                lapsed.append(mid)
+        self._last = keep
+        return lapsed

@@ -1,0 +1,715 @@
+"""``Member``: one per rank. Joins, heartbeats, detects, agrees, fences.
+
+A member is identified by a random id (not by its process): a process that
+was removed and wants back in joins as a *new* member (:meth:`Member.rejoin`),
+so nothing it did under its old identity can leak into a later configuration.
+Its record carries its ProcessGroup's reconfigure handle, which is what a
+configuration lists (in rank order) and what :meth:`Member.apply` hands to
+``ftc10d.reconfigure``.
+
+Three background threads, each on its own store connection so that none can
+delay another:
+
+- **beat**: writes the heartbeat counter every ``heartbeat_interval`` (and
+  renews the etcd lease). A gap longer than half the timeout (this process was
+  frozen, or the store was unreachable) makes the member *suspect itself*: its
+  next operation first checks with the store that it is still a member.
+- **detect**: failure detection and proposals. Reports from the data path
+  (a ``PeerFailureError`` naming a peer, via ``pg.add_error_listener``) and
+  from a supervisor are proposed at once; the heartbeats of ``watchers`` ring
+  successors are read every ``watch_interval``, and a lapse is proposed.
+  While joining it proposes its own admission.
+- **watch**: waits (server-pushed) for the next configuration slot and adopts
+  it; a configuration that excludes this member fences it.
+
+Fencing: once fenced, every method raises :class:`ftc10d.Fenced`, and every
+attached ProcessGroup is aborted, so nothing of the old configuration can go on
+(its ops raise ``ProcessGroupAborted``; the next membership call raises
+``Fenced``). A member that was frozen past the timeout and resumes finds out
+on its next operation: the gap made it suspect itself, so that operation asks
+the store first. It can only take part again as a new member (``rejoin()``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+from ftc10d.membership.agreement import (
+    KEY_START,
+    Agreement,
+    Configuration,
+    MemberInfo,
+    Outcome,
+    Status,
+    cfg_key,
+    hb_key,
+    local_identity,
+    mem_key,
+    new_member_id,
+)
+from ftc10d.membership.detector import LapseDetector
+from ftc10d.membership.records import Signer
+from ftc10d.membership.store import MembershipStore
+from ftc10d.types import (
+    ErrorType,
+    Fenced,
+    MembershipError,
+    MembershipTimeoutError,
+    PeerFailureError,
+    ReconfigureTimeoutError,
+    StoreUnavailableError,
+    UuidReusedError,
+)
+
+logger = logging.getLogger("ftc10d")
+_SUCCESS = ErrorType.SUCCESS
+
+#: How long the watch thread blocks in one server-side wait before looking around.
+WAIT_SLICE = 5.0
+
+
+def ring_successors(cfg: Configuration, member_id: str, k: int) -> list[str]:
+    """The ``k`` members after ``member_id`` in ``cfg``'s order (wrapping): whom it watches."""
+    if member_id not in cfg.members or k <= 0:
+        return []
+    i = cfg.members.index(member_id)
+    n = cfg.size
+    return [cfg.members[(i + j) % n] for j in range(1, min(k, n - 1) + 1)]
+
+
+class Member:
+    """A participant in the membership of a job.
+
+    Args:
+        store: a :class:`MembershipStore` (``TCPMembershipStore`` or ``EtcdMembershipStore``).
+        handle: this rank's ``pg.get_reconfigure_handle()``.
+        token: the job token (default ``$FTC10D_TOKEN``); records are HMAC-signed with it.
+        heartbeat_timeout: a member silent this long is removed (default 1 s).
+        heartbeat_interval: default ``heartbeat_timeout / 10``.
+        watch_interval: how often watched heartbeats are read (default ``heartbeat_timeout / 40``).
+        watchers: how many ring successors each member watches (0: rely on a coordinator).
+        min_members: no configuration smaller than this is formed (taken from the first member
+            that forms the first configuration; it is stored in every configuration).
+        expected: the first configuration waits for this many members (default ``min_members``).
+        require_majority: removals on suspicion need a majority of the current members.
+        rejoin_grace: after a store restart, how long to wait for all previous members to
+            rejoin before re-forming without the missing ones (default ``2 * heartbeat_timeout``).
+        rendezvous_timeout: bound of each ``pg.reconfigure`` rendezvous in :meth:`sync`
+            (default ``10 * heartbeat_timeout``).
+    """
+
+    def __init__(
+        self,
+        store: MembershipStore,
+        handle: str,
+        *,
+        token: Optional[str] = None,
+        heartbeat_timeout: float = 1.0,
+        heartbeat_interval: Optional[float] = None,
+        watch_interval: Optional[float] = None,
+        watchers: int = 2,
+        min_members: int = 1,
+        expected: Optional[int] = None,
+        require_majority: bool = True,
+        rejoin_grace: Optional[float] = None,
+        rendezvous_timeout: Optional[float] = None,
+    ) -> None:
+        if not isinstance(handle, str) or not handle:
+            raise ValueError(f"handle must be a non-empty str (pg.get_reconfigure_handle()), got {handle!r}")
+        if heartbeat_timeout <= 0:
+            raise ValueError(f"heartbeat_timeout must be positive, got {heartbeat_timeout}")
+        if min_members < 1:
+            raise ValueError(f"min_members must be at least 1, got {min_members}")
+        self._settings: dict[str, Any] = dict(
+            token=token, heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval,
+            watch_interval=watch_interval, watchers=watchers, min_members=min_members, expected=expected,
+            require_majority=require_majority, rejoin_grace=rejoin_grace, rendezvous_timeout=rendezvous_timeout,
+        )
+        self.id = new_member_id()
+        self.handle = handle
+        self.heartbeat_timeout = heartbeat_timeout
+        self.heartbeat_interval = heartbeat_interval or heartbeat_timeout / 10
+        self.watch_interval = watch_interval or heartbeat_timeout / 40
+        self.watchers = watchers
+        self.rejoin_grace = rejoin_grace if rejoin_grace is not None else 2 * heartbeat_timeout
+        self.rendezvous_timeout = rendezvous_timeout if rendezvous_timeout is not None else 10 * heartbeat_timeout
+        self._signer = Signer(token)
+        self._store = store
+        self._agreement = self._new_agreement(store)
+        self._api_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._inc_lock = threading.Lock()
+        self._current: Optional[Configuration] = None
+        self._fenced: Optional[Fenced] = None
+        self._blocked: Optional[str] = None
+        self._unreachable_since: Optional[float] = None
+        self._inc: Optional[str] = None
+        self._join_seq: Optional[int] = None
+        self._reform: Optional[Configuration] = None
+        self._reform_since = 0.0
+        self._reforming = False
+        self._beats = 0
+        self._last_beat_ok = time.monotonic()
+        self._verified_at = 0.0
+        self._suspect_self = False
+        self._beat_gap_at = time.monotonic()  # when our own heartbeats last had a gap (or started)
+        self._reports: "queue.Queue[tuple[str, str]]" = queue.Queue()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._pgs: list[Any] = []
+        self._closed = False
+
+    def _new_agreement(self, store: MembershipStore) -> Agreement:
+        s = self._settings
+        return Agreement(store, self._signer, self_id=self.id, min_members=s["min_members"],
+                         expected=s["expected"], require_majority=s["require_majority"],
+                         pending_ttl=5 * self.heartbeat_timeout)
+
+    def __repr__(self) -> str:
+        return f"Member({self.id}, {self.status()})"
+
+    # ================================================================= joining
+
+    def join(self) -> "Member":
+        """Publish this member and start its threads; returns at once. Admission
+        happens at the next epoch: :meth:`wait_next` (or :meth:`sync`) waits for it."""
+        if self._threads:
+            return self
+        with self._api_lock:
+            self._inc = self._agreement.incarnation()
+            self._publish(self._agreement, last=None)
+        for name, fn in (("beat", self._beat_loop), ("detect", self._detect_loop), ("watch", self._watch_loop)):
+            t = threading.Thread(target=self._guard, args=(fn,), name=f"ftc10d-member-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        logger.info("membership: %s joining via %s", self.id, self._store.describe())
+        return self
+
+    def _publish(self, ag: Agreement, last: Optional[Configuration]) -> None:
+        """Write our member record and a first heartbeat, then log the join (in that order:
+        whoever reads the join log finds both)."""
+        host, pid = local_identity()
+        info = MemberInfo(
+            id=self.id, handle=self.handle, host=host, pid=pid,
+            last_epoch=last.epoch if last is not None else 0,
+            last_rank=last.members.index(self.id) if last is not None and last.includes(self.id) else -1,
+            last_inc=last.incarnation if last is not None else "",
+        )
+        ag.store.put(mem_key(self.id), self._signer.encode(mem_key(self.id), info.to_body()), leased=True)
+        self._beats += 1
+        ag.store.put(hb_key(self.id), self._signer.encode_beat(hb_key(self.id), self._beats), leased=True)
+        ag.store.append_join(self.id)
+        self._join_seq = None
+
+    def rejoin(self) -> "Member":
+        """A new member for the same handle (after being fenced): joins at once."""
+        self.close()
+        return Member(self._store.clone(), self.handle, **self._settings).join()
+
+    # ================================================================= queries
+
+    def current(self) -> Optional[Configuration]:
+        """The newest configuration this member holds (None until admitted). Raises Fenced."""
+        self.check()
+        return self._current
+
+    def wait_next(self, after_epoch: int = 0, timeout: Optional[float] = None) -> Configuration:
+        """Block until this member holds a configuration with an epoch above ``after_epoch``.
+
+        Raises :class:`ftc10d.Fenced` if it was removed instead, and
+        :class:`ftc10d.MembershipTimeoutError` (with the status: below
+        ``min_members``, no majority, store unreachable...) after ``timeout``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while True:
+                if self._fenced is not None:
+                    raise self._fenced
+                if self._closed:
+                    raise MembershipError(f"member {self.id} is closed")
+                cur = self._current
+                if cur is not None and cur.epoch > after_epoch:
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    status = self.status(refresh=True)
+                    raise MembershipTimeoutError(
+                        f"member {self.id}: no configuration after epoch {after_epoch} within {timeout:g} s; "
+                        f"status: {status}", status=status)
+                self._cv.wait(0.5 if left is None else min(left, 0.5))
+        self.check()
+        return cur
+
+    def status(self, refresh: bool = False) -> Status:
+        """Where this member stands (see :class:`Status`); ``refresh`` reads the store's
+        pending record so that a member that is not itself proposing sees a block too."""
+        cur = self._current
+        epoch, size = (cur.epoch, cur.size) if cur is not None else (None, 0)
+        if self._closed:
+            return Status("closed", epoch, size)
+        if self._fenced is not None:
+            return Status("fenced", epoch, size, str(self._fenced))
+        since = self._unreachable_since
+        if since is not None and time.monotonic() - since > self.heartbeat_interval:
+            return Status("unreachable", epoch, size,
+                          f"store {self._store.describe()} unreachable for {time.monotonic() - since:.1f} s")
+        blocked = self._blocked
+        if refresh and cur is not None and blocked is None:
+            try:
+                with self._api_lock:
+                    _, blocked, _ = self._agreement.pending(cur.epoch)
+            except StoreUnavailableError:
+                pass
+            blocked = blocked or None
+        if cur is None or self._reform is not None:
+            return Status("joining", epoch, size, blocked or "waiting to be admitted at the next epoch")
+        if blocked:
+            return Status("blocked", epoch, size, blocked)
+        return Status("member", epoch, size)
+
+    @property
+    def fenced(self) -> bool:
+        return self._fenced is not None
+
+    # ================================================================= fencing
+
+    def check(self) -> None:
+        """Raise :class:`ftc10d.Fenced` if this member was removed. Cheap unless the
+        member has reason to doubt itself (it was frozen or cut off from the store for
+        more than half the timeout): then it asks the store first."""
+        fenced = self._fenced
+        if fenced is not None:
+            raise fenced
+        cur = self._current
+        if cur is None or self._closed:
+            return
+        if self._suspect_self or time.monotonic() - max(self._last_beat_ok, self._verified_at) > self.heartbeat_timeout / 2:
+            self._verify(cur)
+            if self._fenced is not None:
+                raise self._fenced
+
+    def _verify(self, cur: Configuration) -> None:
+        with self._api_lock:
+            try:
+                latest = self._agreement.latest(hint=cur.epoch)
+            except StoreUnavailableError:
+                return  # cannot tell; the data path fails on its own if the peers moved on
+            if latest is not None:
+                self._adopt(latest)
+            self._verified_at = time.monotonic()
+            self._suspect_self = False
+
+    def _fence(self, cfg: Configuration, why: str) -> None:
+        exc = Fenced(
+            f"member {self.id} (handle {self.handle}) was removed from the membership: {why} "
+            f"(epoch {cfg.epoch}: {cfg.reason}). It can no longer take part under this identity; "
+            "call Member.rejoin() to join again as a new member at a later epoch.",
+            member_id=self.id, epoch=cfg.epoch,
+        )
+        with self._cv:
+            if self._fenced is not None:
+                return
+            self._fenced = exc
+            self._cv.notify_all()
+        self._stop.set()
+        logger.warning("membership: %s fenced at epoch %d: %s", self.id, cfg.epoch, why)
+        self._abort_stale(None)
+
+    def _adopt(self, cfg: Configuration) -> bool:
+        """Take ``cfg`` as the newest configuration if it is newer; fence if it excludes us.
+        Returns whether this member holds ``cfg`` (or a newer one) afterwards."""
+        with self._cv:
+            if self._fenced is not None or cfg.incarnation != self._inc:
+                return False
+            cur = self._current
+            if cur is not None and cur.incarnation == cfg.incarnation and cfg.epoch <= cur.epoch:
+                return cfg.epoch <= cur.epoch
+            self_adopted = False
+            if not cfg.includes(self.id):
+                if cur is not None and cur.incarnation == cfg.incarnation:
+                    why = "a later configuration excludes it"
+                elif self._join_processed(cfg):
+                    why = "its join was processed but not admitted (not heartbeating, or its records did not verify)"
+                else:
+                    return False  # still joining: a configuration that did not consider us yet
+            else:
+                self._current = cfg
+                self._reform = None
+                self._blocked = None
+                self._verified_at = time.monotonic()
+                self._cv.notify_all()
+                logger.info("membership: %s holds %s (rank %d)", self.id, cfg, cfg.members.index(self.id))
+                self_adopted = True
+        if self_adopted:
+            self._abort_stale(cfg)
+            return True
+        self._fence(cfg, why)
+        return False
+
+    def _join_processed(self, cfg: Configuration) -> bool:
+        if self._join_seq is None:
+            try:
+                for seq, mid in self._store.clone().read_joins(0):
+                    if mid == self.id:
+                        self._join_seq = seq
+            except StoreUnavailableError:
+                return False
+        return self._join_seq is not None and cfg.joins_upto >= self._join_seq
+
+    # ============================================================ ProcessGroup
+
+    def attach(self, pg: Any) -> "Member":
+        """Connect ``pg`` to this member: a ``PeerFailureError`` naming a peer is reported
+        at once (data-path detection), and when this member adopts a configuration that
+        drops a member of ``pg``'s current one (or fences this member), ``pg`` is aborted
+        so that ops stuck on the removed member fail now instead of at their timeout;
+        the caller then calls :meth:`sync` (which raises ``Fenced`` if it was removed)."""
+        pg.add_error_listener(lambda err: self._on_pg_error(pg, err))
+        self._pgs.append(pg)
+        return self
+
+    def _abort_stale(self, cfg: Optional[Configuration]) -> None:
+        """Abort attached groups whose live configuration lost a member (or all of them:
+        ``cfg`` None, once fenced or when the store lost its state). Never called with
+        the member's condition held."""
+        for pg in list(self._pgs):
+            try:
+                gen = pg.generation
+                if gen is None or pg.get_error() != _SUCCESS:
+                    continue
+                if cfg is None or any(h not in cfg.handles for h in gen.handles):
+                    logger.info("membership: %s aborts %r: %s", self.id, pg,
+                                "its configuration is void" if cfg is None else f"{cfg} dropped a member")
+                    pg.abort()
+            except Exception:
+                logger.warning("membership: could not abort %r", pg, exc_info=True)
+
+    def _on_pg_error(self, pg: Any, err: Exception) -> None:
+        """Runs on the failing op's thread, before its configuration is aborted: only enqueue."""
+        if self._closed or self._fenced is not None or not isinstance(err, PeerFailureError) or err.peer is None:
+            return
+        gen = pg.generation
+        if gen is None or gen.uuid != err.uuid or not 0 <= err.peer < len(gen.handles):
+            return
+        handle = gen.handles[err.peer]
+        if handle != self.handle:
+            self._reports.put((handle, "peer-error"))
+
+    def report(self, handle: str, reason: str = "peer-error") -> None:
+        """Suspect the member behind ``handle`` (asynchronous; proposed by the detect thread at once)."""
+        self._reports.put((handle, reason))
+
+    def report_exit(self, handle: str) -> Optional[Configuration]:
+        """A supervisor saw the process behind ``handle`` exit: remove it now (confirmed)."""
+        self.check()
+        with self._api_lock:
+            out = self._agreement.report_exit(handle)
+        if out.config is not None:
+            self._adopt(out.config)
+        return out.config
+
+    def apply(self, pg: Any, config: Optional[Configuration] = None, *, timeout: Optional[float] = None) -> Configuration:
+        """Reconfigure ``pg`` to ``config`` (default: the newest held): ``ftc10d.reconfigure``
+        with its uuid and ordered handles. A no-op if ``pg`` is already on it."""
+        import ftc10d
+
+        self.check()
+        cfg = config if config is not None else self._current
+        if cfg is None:
+            raise MembershipError(f"member {self.id} holds no configuration yet; wait_next() first")
+        if pg.uuid == cfg.uuid:
+            return cfg
+        ftc10d.reconfigure(cfg.uuid, list(cfg.handles), group=pg,
+                           timeout=None if timeout is None else timedelta(seconds=timeout))
+        return cfg
+
+    def sync(self, pg: Any, timeout: Optional[float] = None) -> Configuration:
+        """Bring ``pg`` onto the newest configuration and return it: the one call to make
+        at start and after any ``CollectiveError``.
+
+        Waits for admission if needed; applies the newest configuration; if ``pg`` is
+        already on it but that configuration was aborted, waits briefly for the change
+        that is surely coming (a removal) and otherwise asks for a fresh epoch with the
+        same members; if a rendezvous fails (a member died before arriving: its uuid is
+        burned), asks for a fresh epoch too. Raises ``Fenced`` or ``MembershipTimeoutError``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left(cap: Optional[float] = None) -> Optional[float]:
+            rest = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return cap if rest is None else rest if cap is None else min(cap, rest)
+
+        if self._current is None:
+            self.wait_next(0, left())
+        while True:
+            self.check()
+            cfg = self._current
+            assert cfg is not None
+            if pg.uuid == cfg.uuid:
+                if pg.get_error() == _SUCCESS:
+                    return cfg
+                try:  # aborted: the removal that caused it is normally agreed within a timeout
+                    self.wait_next(cfg.epoch, left(2 * self.heartbeat_timeout))
+                    continue
+                except MembershipTimeoutError:
+                    self._renew(cfg, "its configuration was aborted and no change followed")
+                    self.wait_next(cfg.epoch, left())
+                    continue
+            try:
+                return self.apply(pg, cfg, timeout=max(left(self.rendezvous_timeout) or 0.0, 0.001))
+            except (ReconfigureTimeoutError, UuidReusedError) as exc:
+                logger.warning("membership: %s could not connect %s (%s)", self.id, cfg, exc)
+                self._renew(cfg, f"the rendezvous of epoch {cfg.epoch} failed")
+                self.wait_next(cfg.epoch, left())
+
+    def _renew(self, cfg: Configuration, why: str) -> None:
+        """Ask for a configuration after ``cfg`` (same members, fresh uuid) unless one exists."""
+        with self._api_lock:
+            try:
+                out = self._agreement.propose(reason=f"{self.id}: {why}", renew_after=cfg.epoch)
+            except StoreUnavailableError:
+                return
+        if out.config is not None:
+            self._adopt(out.config)
+
+    # ================================================================= closing
+
+    def close(self, leave: bool = False) -> None:
+        """Stop the threads. With ``leave`` (and still a member) propose our own removal
+        first, so that the others need not wait for the heartbeat timeout."""
+        if self._closed:
+            return
+        if leave and self._fenced is None and self._current is not None:
+            try:
+                with self._api_lock:
+                    self._agreement.propose({self.id: "left"}, reason=f"{self.id} left")
+            except Exception:
+                logger.warning("membership: %s could not announce its leave", self.id, exc_info=True)
+        self._closed = True
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        self._pgs.clear()
+        for t in self._threads:
+            # The watch thread may sit in a server-side wait (up to WAIT_SLICE): it is a daemon
+            # and exits when that returns; the others stop within one interval.
+            if t is not threading.current_thread() and not t.name.endswith("watch"):
+                t.join(2.0)
+        try:
+            self._store.revoke()
+        except Exception:
+            logger.debug("lease revoke failed", exc_info=True)
+
+    def __enter__(self) -> "Member":
+        return self.join()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ================================================================= threads
+
+    def _guard(self, fn: Any) -> None:
+        try:
+            fn()
+        except Exception:
+            logger.exception("membership: %s thread of %s died", threading.current_thread().name, self.id)
+
+    def _running(self) -> bool:
+        return not self._stop.is_set() and self._fenced is None
+
+    def _reachable(self) -> None:
+        self._unreachable_since = None
+
+    def _unreachable(self, exc: BaseException) -> None:
+        if self._unreachable_since is None:
+            self._unreachable_since = time.monotonic()
+            logger.warning("membership: %s cannot reach the store: %s", self.id, exc)
+
+    def _check_incarnation(self, ag: Agreement) -> None:
+        """After a reconnect: if the store lost its state (new incarnation), rejoin it
+        under the same id, remembering our configuration so that it can be re-formed."""
+        with self._inc_lock:
+            inc = ag.incarnation()
+            if inc is None or inc == self._inc:
+                return
+            cur = self._current
+            logger.warning("membership: the store %s lost its state (incarnation %s -> %s); %s rejoins%s",
+                           ag.store.describe(), self._inc, inc, self.id, f" to re-form {cur}" if cur else "")
+            with self._cv:
+                self._inc = inc
+                self._reform = cur
+                self._reform_since = time.monotonic()
+            # The attached groups' generations kept their keys in the lost state: they could
+            # not even fail cleanly any more. Abort them now; sync() moves them onto the re-formed one.
+            self._abort_stale(None)
+            self._publish(ag, last=cur)
+
+    def _beat_loop(self) -> None:
+        store = self._store.clone()
+        ag = self._new_agreement(store)
+        conn = store.connection_epoch
+        next_t = time.monotonic()
+        prev_ok = time.monotonic()
+        last_keepalive = 0.0
+        key = hb_key(self.id)
+        while self._running():
+            now = time.monotonic()
+            if now - prev_ok > self.heartbeat_timeout / 2:
+                self._suspect_self = True  # we were frozen or cut off: verify before the next op
+                self._beat_gap_at = now
+            try:
+                self._beats += 1
+                store.put(key, self._signer.encode_beat(key, self._beats), leased=True)
+                if now - last_keepalive > self.heartbeat_interval * 2:
+                    store.keepalive()
+                    last_keepalive = now
+                if store.lease_lost:
+                    self._publish_record_only(store)
+                if store.connection_epoch != conn:
+                    conn = store.connection_epoch
+                    self._check_incarnation(ag)
+                prev_ok = self._last_beat_ok = time.monotonic()
+                self._reachable()
+            except StoreUnavailableError as exc:
+                self._unreachable(exc)
+            except Exception:
+                logger.warning("membership: heartbeat of %s failed", self.id, exc_info=True)
+            next_t += self.heartbeat_interval
+            delay = next_t - time.monotonic()
+            if delay < -self.heartbeat_interval:
+                next_t = time.monotonic()  # fell behind: no burst of catch-up beats
+            elif delay > 0:
+                self._stop.wait(delay)
+        store.close()
+
+    def _publish_record_only(self, store: MembershipStore) -> None:
+        """The lease expired under us (etcd) and a new one was granted: put our member
+        record back on it. If we were removed meanwhile, verification fences us."""
+        self._suspect_self = True
+        body = MemberInfo(id=self.id, handle=self.handle).to_body()
+        store.put(mem_key(self.id), self._signer.encode(mem_key(self.id), body), leased=True)
+
+    def _healthy(self, now: float) -> bool:
+        """Whether our own heartbeats have flowed for a full timeout: only then do we judge
+        others' silence (a store outage or our own freeze silences everyone alike)."""
+        return now - self._last_beat_ok < self.heartbeat_timeout / 2 and now - self._beat_gap_at > self.heartbeat_timeout
+
+    def _detect_loop(self) -> None:
+        store = self._store.clone()
+        ag = self._new_agreement(store)
+        detector = LapseDetector(self._signer, self.heartbeat_timeout)
+        conn = store.connection_epoch
+        last_attempt = 0.0
+        last_blocked_set: Optional[frozenset[str]] = None
+        suspects: dict[str, str] = {}  # our own suspicions about members of `suspects_epoch`
+        suspects_epoch = -1
+        next_t = time.monotonic()
+        while self._running():
+            reports: list[tuple[str, str]] = []
+            try:
+                reports.append(self._reports.get(timeout=max(0.0, next_t - time.monotonic())))
+                while True:
+                    reports.append(self._reports.get_nowait())
+            except queue.Empty:
+                pass
+            if not self._running():
+                break
+            now = time.monotonic()
+            if now >= next_t:
+                next_t = max(next_t + self.watch_interval, now)
+            try:
+                if store.connection_epoch != conn:
+                    conn = store.connection_epoch
+                    self._check_incarnation(ag)
+                cur = self._current
+                if cur is None or self._reform is not None:
+                    if now - last_attempt >= self.heartbeat_interval:
+                        last_attempt = now
+                        force = self._reform is not None and now - self._reform_since > self.rejoin_grace
+                        out = ag.propose(reason="formed by " + self.id, reform=self._reform, force_first=force)
+                        self._note(out)
+                    continue
+                if cur.epoch != suspects_epoch:
+                    suspects, suspects_epoch = {}, cur.epoch
+                fresh: dict[str, str] = {}
+                for handle, why in reports:
+                    for m, h in zip(cur.members, cur.handles):
+                        if h == handle and m != self.id and m not in suspects:
+                            fresh[m] = why
+                if self.watchers > 0:
+                    ids = ring_successors(cur, self.id, self.watchers)
+                    if ids:
+                        raws = store.get_many([hb_key(m) for m in ids])
+                        t = time.monotonic()
+                        for m in detector.observe(ids, raws, t, healthy=self._healthy(t)):
+                            if m not in suspects:
+                                fresh.setdefault(m, "heartbeat")
+                self._reachable()
+                suspects.update(fresh)
+                retry = self._blocked is not None and suspects and now - last_attempt >= self.heartbeat_timeout
+                if not fresh and not retry:
+                    continue
+                key = frozenset(suspects)
+                if not fresh and key == last_blocked_set and now - last_attempt < self.heartbeat_interval:
+                    continue
+                last_attempt = now
+                why = ", ".join(f"{m}: {w}" for m, w in sorted(suspects.items()))
+                out = ag.propose(dict(suspects), reason=f"{self.id} saw {why}")
+                last_blocked_set = key if out.blocked else None
+                self._note(out)
+            except StoreUnavailableError as exc:
+                self._unreachable(exc)
+                self._stop.wait(self.heartbeat_interval)
+            except Exception:
+                logger.warning("membership: detector of %s failed", self.id, exc_info=True)
+                self._stop.wait(self.heartbeat_interval)
+        store.close()
+
+    def _note(self, out: Outcome) -> None:
+        if out.blocked and out.blocked != self._blocked:
+            logger.warning("membership: %s: %s", self.id, out.blocked)
+        self._blocked = out.blocked
+        if out.config is not None:
+            self._adopt(out.config)
+
+    def _watch_loop(self) -> None:
+        store = self._store.clone()
+        ag = self._new_agreement(store)
+        conn = store.connection_epoch
+        while self._running():
+            try:
+                if store.connection_epoch != conn:
+                    conn = store.connection_epoch
+                    self._check_incarnation(ag)
+                cur = self._current
+                if cur is not None and cur.incarnation == self._inc and self._reform is None:
+                    ag.remember(cur)  # the base of the next record if that is a delta
+                    raw = store.wait_for(cfg_key(cur.epoch + 1), WAIT_SLICE)
+                    self._reachable()
+                    if raw is None or not self._running():
+                        continue
+                    nxt = ag.read_config(cur.epoch + 1, raw=raw)
+                    if nxt is None:
+                        self._stop.wait(self.heartbeat_interval)  # a bad record: wait for a proposer to replace it
+                        continue
+                    self._adopt(nxt)
+                    continue
+                # Joining or re-forming: look for the newest configuration of this incarnation.
+                latest = ag.latest()
+                self._reachable()
+                if latest is not None and self._adopt(latest):
+                    continue
+                key = cfg_key(latest.epoch + 1) if latest is not None else KEY_START
+                store.wait_for(key, min(WAIT_SLICE, self.heartbeat_timeout))
+            except StoreUnavailableError as exc:
+                self._unreachable(exc)
+                self._stop.wait(self.heartbeat_interval)
+            except Exception:
+                logger.warning("membership: watcher of %s failed", self.id, exc_info=True)
+                self._stop.wait(self.heartbeat_interval)
+        store.close()

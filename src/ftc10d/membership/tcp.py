@@ -1,0 +1,383 @@
+"""TCPStore backend (the embedded default) and the coordinator that hosts it.
+
+torch's C++ ``TCPStore`` is the store: ``compare_set`` is the atomic create
+that decides each epoch, ``append`` keeps the join log, and ``wait`` is a
+server-pushed notification, so a new configuration reaches every member one
+round trip after it is created. It has no leases: liveness is the heartbeat
+counters (``detector.py``).
+
+:class:`Coordinator` hosts the store (the launcher embeds one; ``ftc10d
+coordinator --port N`` runs one on its own). It binds to **loopback** unless
+given another host, by handing torch a socket it bound itself
+(``master_listen_fd``): torch's own server would listen on every interface.
+It can also run a detector over *all* members (one ``multi_get`` per poll), so
+that at scale members need not watch each other.
+
+The store keeps its state in memory only. If it restarts, members reconnect,
+see a new incarnation nonce, rejoin under their ids and re-form a configuration
+with a fresh uuid (``Member``); the epoch numbering carries on from the highest
+epoch the rejoining members held.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional, TypeVar
+
+import torch.distributed as dist
+
+from ftc10d.membership.agreement import Agreement, Configuration, cfg_key, hb_key
+from ftc10d.membership.detector import LapseDetector
+from ftc10d.membership.records import Signer
+from ftc10d.membership.store import MembershipStore
+from ftc10d.types import StoreUnavailableError
+
+logger = logging.getLogger("ftc10d")
+
+DEFAULT_PREFIX = "ftc10d/membership/"
+JOIN_LOG = "joins"
+T = TypeVar("T")
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    return "timeout" in str(exc).lower() and not isinstance(exc, dist.DistNetworkError)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket bound to exactly ``host`` (not every interface)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(4096)
+    return sock
+
+
+class TCPMembershipStore(MembershipStore):
+    """A client connection to a membership TCPStore at ``host:port``.
+
+    Reconnects once per call when the connection breaks (the coordinator
+    restarted); raises :class:`ftc10d.StoreUnavailableError` if that fails.
+    """
+
+    kind = "tcp"
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        timeout: float = 5.0,
+        connect_timeout: float = 2.0,
+    ) -> None:
+        self.host = host
+        self.port = int(port)
+        self.prefix = prefix
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.connection_epoch = 0
+        self._client: Optional[dist.TCPStore] = None
+        self._ever_connected = False
+
+    def clone(self) -> "TCPMembershipStore":
+        return TCPMembershipStore(self.host, self.port, prefix=self.prefix, timeout=self.timeout,
+                                  connect_timeout=self.connect_timeout)
+
+    def describe(self) -> str:
+        return f"tcp://{self.host}:{self.port}/{self.prefix}"
+
+    # ------------------------------------------------------------- connection
+
+    def _connect(self) -> dist.TCPStore:
+        try:
+            client = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
+                                   timeout=timedelta(seconds=self.connect_timeout))
+        except Exception as exc:
+            raise StoreUnavailableError(f"membership store {self.describe()} is unreachable: {exc}") from exc
+        client.set_timeout(timedelta(seconds=self.timeout))
+        if self._ever_connected:
+            self.connection_epoch += 1
+            logger.info("membership: reconnected to %s", self.describe())
+        self._ever_connected = True
+        return client
+
+    def _call(self, fn: Callable[[dist.TCPStore], T]) -> T:
+        for attempt in range(2):
+            if self._client is None:
+                self._client = self._connect()
+            try:
+                return fn(self._client)
+            except StoreUnavailableError:
+                raise
+            except Exception as exc:
+                if _is_timeout(exc):
+                    raise
+                self._client = None  # broken connection: reconnect once
+                if attempt == 1:
+                    raise StoreUnavailableError(f"membership store {self.describe()}: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    # ------------------------------------------------------------------- keys
+
+    def get(self, key: str) -> Optional[bytes]:
+        k = self._k(key)
+
+        def op(c: dist.TCPStore) -> Optional[bytes]:
+            return c.get(k) if c.check([k]) else None  # get() would block on a missing key
+
+        return self._call(op)
+
+    def get_many(self, keys: list[str]) -> list[Optional[bytes]]:
+        if not keys:
+            return []
+        ks = [self._k(k) for k in keys]
+
+        def op(c: dist.TCPStore) -> list[Optional[bytes]]:
+            if c.check(ks):
+                return list(c.multi_get(ks))
+            present = [k for k in ks if c.check([k])]
+            values = dict(zip(present, c.multi_get(present))) if present else {}
+            return [values.get(k) for k in ks]
+
+        return self._call(op)
+
+    def put(self, key: str, value: bytes, *, leased: bool = False) -> None:
+        k = self._k(key)
+        self._call(lambda c: c.set(k, value))
+
+    def exists(self, key: str) -> bool:
+        k = self._k(key)
+        return bool(self._call(lambda c: c.check([k])))
+
+    def create(self, key: str, value: bytes) -> tuple[bool, bytes]:
+        k = self._k(key)
+        now = self._call(lambda c: c.compare_set(k, "", value))
+        return now == value, now
+
+    def replace(self, key: str, expected: bytes, value: bytes) -> tuple[bool, bytes]:
+        k = self._k(key)
+        now = self._call(lambda c: c.compare_set(k, expected, value))
+        return now == value, now
+
+    def append_join(self, member_id: str) -> None:
+        k = self._k(JOIN_LOG)
+        line = member_id + "\n"
+        self._call(lambda c: c.append(k, line))
+
+    def read_joins(self, after: int) -> list[tuple[int, str]]:
+        raw = self.get(JOIN_LOG)
+        if raw is None:
+            return []
+        ids = raw.decode(errors="replace").split("\n")
+        return [(i + 1, mid) for i, mid in enumerate(ids) if i + 1 > after and mid]
+
+    def wait_for(self, key: str, timeout: float) -> Optional[bytes]:
+        k = self._k(key)
+
+        def op(c: dist.TCPStore) -> Optional[bytes]:
+            try:
+                c.wait([k], timedelta(seconds=max(timeout, 0.001)))
+            except Exception as exc:
+                if _is_timeout(exc):
+                    return None
+                raise
+            return c.get(k)
+
+        return self._call(op)
+
+    def close(self) -> None:
+        self._client = None
+
+
+# ================================================================ coordinator
+
+
+class Coordinator:
+    """Hosts the membership TCPStore, bound to ``host`` (loopback by default).
+
+    With ``detect`` it also watches every member's heartbeat and proposes the
+    removal of those that lapse (the coordinator is an *authority*, not a
+    member: its proposals still obey ``min_members`` and the majority rule).
+    The pg's rendezvous may share the same store (``store``).
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        token: Optional[str] = None,
+        detect: bool = True,
+        heartbeat_timeout: float = 1.0,
+        watch_interval: Optional[float] = None,
+        prefix: str = DEFAULT_PREFIX,
+        require_majority: bool = True,
+    ) -> None:
+        self.host = host
+        self._port = port
+        self.prefix = prefix
+        self.signer = Signer(token)
+        self.detect = detect
+        self.heartbeat_timeout = heartbeat_timeout
+        self.watch_interval = watch_interval if watch_interval is not None else heartbeat_timeout / 40
+        self.require_majority = require_majority
+        self._master: Optional[dist.TCPStore] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.latest: Optional[Configuration] = None
+        self.detections = 0
+
+    def start(self) -> "Coordinator":
+        sock = listen_socket(self.host, self._port)
+        self._port = sock.getsockname()[1]
+        self._master = dist.TCPStore(
+            self.host, self._port, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=60), master_listen_fd=sock.detach(),
+        )
+        logger.info("membership coordinator listening on %s:%d", self.host, self._port)
+        if self.detect:
+            self._thread = threading.Thread(target=self._detect_loop, name="ftc10d-coordinator", daemon=True)
+            self._thread.start()
+        return self
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self._port}"
+
+    @property
+    def store(self) -> dist.TCPStore:
+        """The hosting process's own client of the store (e.g. for a pg's rendezvous)."""
+        assert self._master is not None, "start() the coordinator first"
+        return self._master
+
+    def membership_store(self, **kwargs: Any) -> TCPMembershipStore:
+        return TCPMembershipStore(self.host, self._port, prefix=self.prefix, **kwargs)
+
+    def agreement(self) -> Agreement:
+        return Agreement(self.membership_store(), self.signer, require_majority=self.require_majority)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self._master = None  # the server goes with its last reference
+
+    def __enter__(self) -> "Coordinator":
+        return self.start() if self._master is None else self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --------------------------------------------------------------- detector
+
+    def _detect_loop(self) -> None:
+        agreement = self.agreement()
+        store = agreement.store
+        detector = LapseDetector(self.signer, self.heartbeat_timeout)
+        cur: Optional[Configuration] = None
+        next_tick = time.monotonic()
+        while not self._stop.is_set():
+            next_tick += self.watch_interval
+            try:
+                if cur is None or store.exists(cfg_key(cur.epoch + 1)) or store.connection_epoch != agreement._inc_conn:
+                    cur = agreement.latest(hint=None if cur is None else cur.epoch)
+                    self.latest = cur
+                if cur is not None:
+                    ids = list(cur.members)
+                    raws = store.get_many([hb_key(m) for m in ids])
+                    lapsed = detector.observe(ids, raws, time.monotonic())
+                    if lapsed:
+                        self.detections += 1
+                        out = agreement.propose({m: "heartbeat" for m in lapsed}, reason="coordinator: heartbeat lapsed")
+                        if out.blocked:
+                            logger.warning("membership coordinator: %s", out.blocked)
+                        cur = out.config
+                        self.latest = cur
+            except Exception:
+                logger.warning("membership coordinator: detector pass failed", exc_info=True)
+                cur = None
+            time.sleep(max(0.0, next_tick - time.monotonic()))
+            if time.monotonic() - next_tick > 1.0:
+                next_tick = time.monotonic()  # fell far behind: do not burst
+
+
+# ====================================================== a store for the pg
+
+
+class ReconnectingTCPStore(dist.Store):
+    """A ``torch.distributed.Store`` over a TCPStore client that reconnects when
+    the connection breaks, so a ``ProcessGroup`` built on it can rendezvous again
+    after the coordinator restarted (its keys are gone; membership re-forms with
+    fresh uuids, so nothing old is needed)."""
+
+    def __init__(self, host: str, port: int, timeout: timedelta = timedelta(seconds=60)) -> None:
+        super().__init__()
+        self._host = host
+        self._port = int(port)
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._client = self._connect()
+
+    def _connect(self) -> dist.TCPStore:
+        return dist.TCPStore(self._host, self._port, is_master=False, wait_for_workers=False, timeout=self._timeout)
+
+    def _call(self, fn: Callable[[dist.TCPStore], T]) -> T:
+        client = self._client
+        try:
+            return fn(client)
+        except Exception as exc:
+            if _is_timeout(exc):
+                raise
+            with self._lock:
+                if self._client is client:
+                    self._client = self._connect()
+                client = self._client
+            return fn(client)
+
+    def set(self, key: str, value: Any) -> None:
+        self._call(lambda c: c.set(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._call(lambda c: c.get(key))
+
+    def add(self, key: str, value: int) -> int:
+        return self._call(lambda c: c.add(key, value))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._call(lambda c: c.compare_set(key, expected, desired))
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call(lambda c: c.check(keys))
+
+    def wait(self, keys: list[str], timeout: Optional[timedelta] = None) -> None:
+        if timeout is None:
+            self._call(lambda c: c.wait(keys))
+        else:
+            self._call(lambda c: c.wait(keys, timeout))
+
+    def delete_key(self, key: str) -> bool:
+        return self._call(lambda c: c.delete_key(key))
+
+    def num_keys(self) -> int:
+        return self._call(lambda c: c.num_keys())
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._call(lambda c: c.multi_get(keys))
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._call(lambda c: c.multi_set(keys, values))
+
+    def append(self, key: str, value: Any) -> None:
+        self._call(lambda c: c.append(key, value))

@@ -1,0 +1,149 @@
+"""Real etcd servers for the tests: one node, or a cluster on loopback (or across
+network namespaces the test made). Data lives on tmpfs, so Raft's fsyncs are cheap
+on a 2-core CI machine. Every process started here is killed by ``stop()``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import requests
+
+ETCD = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
+SKIP_REASON = "etcd is not installed (Debian: apt-get install etcd-server; `make test` installs it when run as root)"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Node:
+    name: str
+    client_host: str
+    client_port: int
+    peer_host: str
+    peer_port: int
+    netns: Optional[str] = None
+    extra_client_hosts: list[str] = field(default_factory=list)
+    proc: Optional[subprocess.Popen] = None
+    data_dir: str = ""
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.client_host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.peer_host}:{self.peer_port}"
+
+
+class EtcdCluster:
+    """``n`` etcd nodes. ``hosts[i]`` is node i's address (default loopback);
+    ``netns[i]`` runs node i inside that network namespace."""
+
+    def __init__(self, n: int = 1, *, hosts: Optional[list[str]] = None, netns: Optional[dict[int, str]] = None,
+                 extra_client_hosts: Optional[dict[int, list[str]]] = None) -> None:
+        assert ETCD is not None, SKIP_REASON
+        hosts = hosts or ["127.0.0.1"] * n
+        netns = netns or {}
+        extra = extra_client_hosts or {}
+        self.base = tempfile.mkdtemp(prefix="ftc10d-etcd-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self.nodes: list[Node] = []
+        for i in range(n):
+            # Ports are picked in the root namespace; the loopback of a fresh namespace has them all free.
+            self.nodes.append(Node(f"n{i}", hosts[i], free_port(), hosts[i], free_port(), netns.get(i),
+                                   extra.get(i, [])))
+        self.token = os.path.basename(self.base)
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [n.endpoint for n in self.nodes]
+
+    def start(self, timeout: float = 30.0) -> "EtcdCluster":
+        initial = ",".join(f"{n.name}={n.peer_url}" for n in self.nodes)
+        for node in self.nodes:
+            self._spawn(node, initial, "new")
+        self.wait_healthy(timeout)
+        return self
+
+    def _spawn(self, node: Node, initial: str, state: str) -> None:
+        node.data_dir = os.path.join(self.base, node.name)
+        client_urls = ",".join(f"http://{h}:{node.client_port}" for h in [node.client_host] + node.extra_client_hosts)
+        cmd = [
+            ETCD, "--name", node.name, "--data-dir", node.data_dir,
+            "--listen-client-urls", client_urls, "--advertise-client-urls", node.endpoint,
+            "--listen-peer-urls", node.peer_url, "--initial-advertise-peer-urls", node.peer_url,
+            "--initial-cluster", initial, "--initial-cluster-state", state,
+            "--initial-cluster-token", self.token,
+            # Fast elections (and a 1 s minimum lease TTL) for tests on one machine.
+            "--heartbeat-interval", "50", "--election-timeout", "500",
+            "--logger", "zap", "--log-level", "error",
+        ]
+        if node.netns:
+            cmd = ["ip", "netns", "exec", node.netns] + cmd
+        log = open(os.path.join(self.base, f"{node.name}.log"), "ab")
+        node.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+
+    def _healthy(self, node: Node) -> bool:
+        if node.netns:
+            out = subprocess.run(["ip", "netns", "exec", node.netns, "curl", "-s", "-m", "1", node.endpoint + "/health"],
+                                 capture_output=True, text=True) if shutil.which("curl") else None
+            if out is None:
+                return node.proc is not None and node.proc.poll() is None
+            return '"health":"true"' in out.stdout
+        try:
+            return requests.get(node.endpoint + "/health", timeout=1).json().get("health") == "true"
+        except Exception:
+            return False
+
+    def wait_healthy(self, timeout: float = 30.0, nodes: Optional[list[int]] = None) -> None:
+        deadline = time.monotonic() + timeout
+        want = list(range(len(self.nodes))) if nodes is None else nodes
+        while True:
+            bad = [i for i in want if not self._healthy(self.nodes[i])]
+            if not bad:
+                return
+            dead = [i for i in bad if self.nodes[i].proc is not None and self.nodes[i].proc.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                logs = "".join(self.log(i)[-2000:] for i in bad)
+                raise RuntimeError(f"etcd node(s) {bad} not healthy (exited: {dead}):\n{logs}")
+            time.sleep(0.1)
+
+    def log(self, i: int) -> str:
+        try:
+            with open(os.path.join(self.base, f"{self.nodes[i].name}.log"), errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def kill(self, i: int) -> None:
+        proc = self.nodes[i].proc
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+    def stop(self) -> None:
+        for i in range(len(self.nodes)):
+            try:
+                self.kill(i)
+            except Exception:
+                pass
+        shutil.rmtree(self.base, ignore_errors=True)
+
+    def __enter__(self) -> "EtcdCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

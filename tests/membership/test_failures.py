@@ -1,0 +1,91 @@
+"""Kill, freeze and rejoin, on both backends: 4 real ranks with real ProcessGroups.
+
+Each rank allreduces in a loop and recovers through membership only
+(``Member.sync``): nobody tells the survivors who died.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from tests import harness
+from tests.membership.conftest import etcd_spec, same_config, tcp_spec, wait_states
+from tests.membership.workers import pg_worker
+
+BACKENDS = ["tcp", "etcd"]
+
+
+@pytest.fixture(params=BACKENDS)
+def spec(request: Any) -> dict[str, Any]:
+    if request.param == "tcp":
+        return tcp_spec(request.getfixturevalue("coordinator"))
+    return etcd_spec(request.getfixturevalue("etcd1"))
+
+
+def _final_agree(results: dict[int, Any]) -> tuple[int, int, list[str]]:
+    finals = {r: tuple(res["history"][-1][:2]) + (tuple(res["history"][-1][2]),) for r, res in results.items()}
+    assert len(set(finals.values())) == 1, f"survivors ended on different configurations: {finals}"
+    epoch, uuid, handles = next(iter(finals.values()))
+    return epoch, uuid, list(handles)
+
+
+def test_kill_one_of_four(spec: dict[str, Any]) -> None:
+    job = harness.start(pg_worker, 4, spec, {"expected": 4})
+    try:
+        st = wait_states(job.store, [0, 1, 2, 3], lambda s: same_config(s, 4, min_steps=3), 60, "4 ranks running")
+        before = st[0]["uuid"]
+        victim = st[2]["handle"]
+        t0 = time.monotonic()
+        job.signal(2, signal.SIGKILL)
+        st = wait_states(job.store, [0, 1, 3], lambda s: same_config(s, 3, not_uuid=before), 30,
+                         "the survivors to agree and reconfigure without rank 2")
+        took = time.monotonic() - t0
+        steps = {r: s["steps"] for r, s in st.items()}
+        wait_states(job.store, [0, 1, 3], lambda s: all(s[r]["steps"] >= steps[r] + 5 for r in s), 30,
+                    "the survivors to carry on")
+        job.store.set("test/stop", "1")
+        results = job.collect([0, 1, 3], timeout=60)
+    finally:
+        job.close()
+    epoch, uuid, handles = _final_agree(results)
+    assert victim not in handles and len(handles) == 3
+    assert uuid != before
+    # The data path told them first: a PeerFailureError, then the new configuration.
+    assert any(e[1] == "error" for r in results for e in results[r]["events"]), results
+    assert took < 10, f"recovery took {took:.1f} s"
+
+
+def test_freeze_fence_rejoin(spec: dict[str, Any]) -> None:
+    job = harness.start(pg_worker, 4, spec, {"expected": 4, "rejoin": True})
+    try:
+        st = wait_states(job.store, [0, 1, 2, 3], lambda s: same_config(s, 4, min_steps=3), 60, "4 ranks running")
+        before, frozen_member = st[0]["uuid"], st[3]["member"]
+        job.signal(3, signal.SIGSTOP)
+        t0 = time.monotonic()
+        st = wait_states(job.store, [0, 1, 2], lambda s: same_config(s, 3, not_uuid=before), 30,
+                         "the survivors to remove the frozen rank")
+        removed_after = time.monotonic() - t0
+        shrunk = st[0]["uuid"]
+        time.sleep(0.3)
+        job.signal(3, signal.SIGCONT)
+        st = wait_states(job.store, [0, 1, 2, 3],
+                         lambda s: same_config(s, 4, not_uuid=shrunk) and s[3].get("fenced") == 1 and s[0]["uuid"] != before,
+                         60, "the frozen rank to be fenced, rejoin as a new member and be admitted")
+        assert st[3]["member"] != frozen_member
+        job.store.set("test/stop", "1")
+        results = job.collect(timeout=60)
+    finally:
+        job.close()
+    epoch, uuid, handles = _final_agree(results)
+    assert len(handles) == 4 and uuid not in (before, shrunk)
+    fenced = [e for e in results[3]["events"] if e[1] == "fenced"]
+    assert len(fenced) == 1 and "was removed from the membership" in fenced[0][2]
+    # Removal needs the heartbeat timeout (1 s), not much more.
+    assert 0.5 < removed_after < 8, f"removed after {removed_after:.2f} s"
+    # Every uuid ever used is distinct, and every rank saw the same chain from the rejoin on.
+    uuids = [h[1] for r in results for h in results[r]["history"]]
+    assert len(set(uuids)) == len({(h[0], h[1]) for r in results for h in results[r]["history"]})

@@ -1,0 +1,212 @@
+"""The stores under faults: a coordinator restart (TCPStore), an etcd member killed,
+forged records, quorum, and the majority rule."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from ftc10d.membership import Agreement, Coordinator, Member, Signer, TCPMembershipStore
+from ftc10d.membership.agreement import cfg_key, hb_key
+from tests import harness
+from tests.membership.conftest import etcd_spec, needs_etcd, same_config, states, tcp_spec, wait_states
+from tests.membership.etcd_cluster import EtcdCluster, free_port
+from tests.membership.workers import member_worker, pg_worker
+
+
+# ------------------------------------------------------------ coordinator restart
+
+
+def _start_coordinator(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "ftc10d", "coordinator", "--port", str(port), "--no-detect"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError("the coordinator exited at start")
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("the coordinator did not start listening")
+
+
+def test_coordinator_restart_reforms_with_fresh_uuid() -> None:
+    """The TCPStore keeps its state in memory: when `ftc10d coordinator` is killed and
+    restarted, the members notice the new incarnation, rejoin under their ids and
+    re-form the same membership with a fresh uuid; their ProcessGroups (whose store
+    reconnects too) reconfigure onto it and carry on."""
+    port = free_port()
+    coord = _start_coordinator(port)
+    spec = {"kind": "tcp", "host": "127.0.0.1", "port": port}
+    job = harness.start(pg_worker, 3, spec, {"expected": 3, "pg_store": "coordinator"})
+    try:
+        st = wait_states(job.store, [0, 1, 2], lambda s: same_config(s, 3, min_steps=3), 60, "3 ranks running")
+        before_uuid, before_epoch = st[0]["uuid"], st[0]["epoch"]
+        os.killpg(coord.pid, signal.SIGKILL)
+        coord.wait(10)
+        time.sleep(0.5)  # members see the store gone (the data path goes on: Gloo does not need it)
+        coord = _start_coordinator(port)
+        st = wait_states(job.store, [0, 1, 2], lambda s: same_config(s, 3, not_uuid=before_uuid), 60,
+                         "the members to re-form on the restarted coordinator")
+        assert st[0]["epoch"] > before_epoch
+        steps = {r: s["steps"] for r, s in st.items()}
+        wait_states(job.store, [0, 1, 2], lambda s: all(s[r]["steps"] >= steps[r] + 5 for r in s), 30, "progress")
+        job.store.set("test/stop", "1")
+        results = job.collect(timeout=60)
+    finally:
+        job.close()
+        if coord.poll() is None:
+            os.killpg(coord.pid, signal.SIGKILL)
+            coord.wait(10)
+    finals = {tuple(res["history"][-1][:2]) for res in results.values()}
+    assert len(finals) == 1
+    # A uuid names one epoch only, before and after the restart.
+    pairs = {(h[0], h[1]) for res in results.values() for h in res["history"]}
+    assert len({u for _, u in pairs}) == len(pairs) >= 2
+
+
+# ----------------------------------------------------------- etcd: lose one of three
+
+
+@needs_etcd
+def test_etcd_one_of_three_killed_has_no_effect(etcd3: EtcdCluster) -> None:
+    spec = etcd_spec(etcd3)
+    job = harness.start(pg_worker, 3, spec, {"expected": 3})
+    try:
+        st = wait_states(job.store, [0, 1, 2], lambda s: same_config(s, 3, min_steps=3), 60, "3 ranks running")
+        uuid = st[0]["uuid"]
+        etcd3.kill(0)  # the endpoint every member talks to first (and perhaps the Raft leader)
+        steps = {r: s["steps"] for r, s in st.items()}
+        t_end = time.monotonic() + 3.0  # three heartbeat timeouts
+        while time.monotonic() < t_end:
+            now = states(job.store, [0, 1, 2])
+            assert all(s["uuid"] == uuid for s in now.values()), f"membership changed after losing one etcd: {now}"
+            time.sleep(0.05)
+        wait_states(job.store, [0, 1, 2], lambda s: all(s[r]["steps"] >= steps[r] + 5 and s[r]["uuid"] == uuid
+                                                        for r in s), 30, "progress on the same configuration")
+        # The two remaining etcd members still agree on a change.
+        job.signal(2, signal.SIGKILL)
+        wait_states(job.store, [0, 1], lambda s: same_config(s, 2, not_uuid=uuid), 30, "agreement without rank 2")
+        job.store.set("test/stop", "1")
+        job.collect([0, 1], timeout=60)
+    finally:
+        job.close()
+
+
+# ------------------------------------------------------------------ forged records
+
+
+def test_bad_signature_is_ignored_and_logged(coordinator: Coordinator, caplog: Any) -> None:
+    """With a job token, a record signed with another key (or unsigned) is ignored
+    and logged: a forged next configuration is not adopted, a forged join is not
+    admitted, and the next real proposal takes the forged slot over."""
+    caplog.set_level(logging.WARNING, logger="ftc10d")
+    token = "job-token-A"
+    members = [Member(coordinator.membership_store(), f"ftc10d/v1/t/{i}/{i:016x}", token=token, expected=3).join()
+               for i in range(3)]
+    try:
+        first = [m.wait_next(0, 30) for m in members][0]
+        store = coordinator.membership_store()
+        forger = Signer("not-the-token")
+        # A forged configuration that would evict members 1 and 2.
+        forged = forger.encode(cfg_key(first.epoch + 1), {
+            "kind": "config", "epoch": first.epoch + 1, "uuid": 12345, "inc": first.incarnation,
+            "members": [[members[0].id, members[0].handle]], "joins": first.joins_upto, "min": 1})
+        assert store.create(cfg_key(first.epoch + 1), forged)[0]
+        # A forged join: a member record and heartbeat signed with the wrong key, and an unsigned one.
+        store.put("mem/evil", forger.encode("mem/evil", {"kind": "member", "id": "evil", "handle": "ftc10d/v1/x/1/" + "e" * 16}))
+        store.put(hb_key("evil"), forger.encode_beat(hb_key("evil"), 1))
+        store.append_join("evil")
+        store.put("mem/bare", Signer(None).encode("mem/bare", {"kind": "member", "id": "bare", "handle": "ftc10d/v1/x/2/" + "b" * 16}))
+        store.put(hb_key("bare"), Signer(None).encode_beat(hb_key("bare"), 1))
+        store.append_join("bare")
+        time.sleep(1.0)
+        assert all(m.current().epoch == first.epoch for m in members), "a forged configuration was adopted"
+        assert not any(m.fenced for m in members)
+        assert any("bad signature" in r.getMessage() for r in caplog.records)
+        # A real change now: member 2 leaves. Its proposal replaces the forged slot.
+        members[2].close(leave=True)
+        nxt = members[0].wait_next(first.epoch, 10)
+        assert nxt.epoch == first.epoch + 1 and nxt.uuid != 12345
+        assert list(nxt.members) == [members[0].id, members[1].id]  # neither evil nor bare was admitted
+        assert members[1].wait_next(first.epoch, 10) == nxt
+        messages = " ".join(r.getMessage() for r in caplog.records)
+        assert "mem/evil" in messages and "missing signature" in messages
+    finally:
+        for m in members:
+            m.close()
+
+
+# ------------------------------------------------------------------------- quorum
+
+
+def test_below_min_members_blocks_with_clear_status(coordinator: Coordinator) -> None:
+    spec = tcp_spec(coordinator)
+    opts = {"expected": 4, "min_members": 4}
+    job = harness.start(member_worker, 4, spec, opts)
+    joiner = None
+    try:
+        st = wait_states(job.store, [0, 1, 2, 3], lambda s: same_config(s, 4), 60, "4 members")
+        epoch = st[0]["epoch"]
+        job.signal(3, signal.SIGKILL)
+        st = wait_states(job.store, [0, 1, 2],
+                         lambda s: all(v["state"] == "blocked" and "min_members=4" in v["detail"] for v in s.values()),
+                         20, "the survivors to report that they are blocked below min_members")
+        assert all(v["epoch"] == epoch for v in st.values())
+        st = wait_states(job.store, [0, 1, 2], lambda s: all(v["timeout_msg"] for v in s.values()), 20,
+                         "wait_next to time out with the status")
+        assert "below min_members=4" in st[0]["timeout_msg"]
+        time.sleep(1.0)
+        assert all(v["epoch"] == epoch for v in states(job.store, [0, 1, 2]).values()), "a configuration formed below quorum"
+        # A replacement joins: quorum is back, the dead member is dropped in the same step.
+        joiner = harness.start(member_worker, 1, spec, {**opts, "rank_offset": 4}, store=job.store)
+        st = wait_states(job.store, [0, 1, 2, 4], lambda s: same_config(s, 4) and s[0]["epoch"] > epoch, 30,
+                         "a configuration of 3 survivors and the joiner")
+        assert st[0]["state"] == "member"
+        assert st[4]["handle"] in st[0]["handles"] and all(v["state"] == "member" for v in st.values())
+        job.store.set("test/stop", "1")
+        job.collect([0, 1, 2], timeout=30)
+        joiner.collect(timeout=30)
+    finally:
+        job.close()
+        if joiner is not None:
+            joiner.close()
+
+
+def test_majority_rule_and_confirmed_exits(coordinator: Coordinator) -> None:
+    """Removing half the members on suspicion is refused (a partitioned minority could
+    otherwise vote the majority out); the same removal confirmed by a supervisor is not."""
+    members = [Member(coordinator.membership_store(), f"ftc10d/v1/t/{i}/{i:016x}", expected=4, watchers=0).join()
+               for i in range(4)]
+    try:
+        cfg = [m.wait_next(0, 30) for m in members][0]
+        ag = Agreement(coordinator.membership_store(), Signer(None), self_id=members[0].id)
+        out = ag.propose({members[2].id: "heartbeat", members[3].id: "peer-error"}, reason="test")
+        assert not out.changed and out.blocked and "no majority" in out.blocked
+        assert ag.latest() == cfg
+        supervisor = Agreement(coordinator.membership_store(), Signer(None))
+        # Member 3's exit is a fact; with it, removing the suspected member 2 leaves 2 of
+        # the 3 members whose fate is unknown: a majority, so both go in one epoch.
+        out = supervisor.report_exit(members[3].handle)
+        assert out.changed and out.config is not None and out.config.size == 2
+        assert not supervisor.report_exit(members[2].handle).changed  # already gone
+        assert members[0].wait_next(cfg.epoch, 10).size == 2
+        with pytest.raises(Exception) as err:
+            members[3].wait_next(cfg.epoch, 10)
+        assert type(err.value).__name__ == "Fenced"
+        uuids = {cfg.uuid, out.config.uuid}
+        assert len(uuids) == 2
+    finally:
+        for m in members:
+            m.close()
