@@ -165,8 +165,20 @@ def member_worker(rank: int, world: int, port: int, spec: dict[str, Any], allred
     member.close()
 
 
-def _wait_keys(store: dist.TCPStore, keys: list[str], timeout: float) -> list[bytes]:
-    store.wait(keys, timedelta(seconds=timeout))
+def _wait_keys(store: dist.TCPStore, keys: list[str], timeout: float, job: Any = None) -> list[bytes]:
+    """Wait for ``keys``; with ``job``, fail as soon as one of its processes died (with its error)."""
+    deadline = time.monotonic() + timeout
+    while job is not None and not store.check(keys):
+        dead = [p for p in job.procs if p.exitcode not in (None, 0)]
+        if dead or time.monotonic() > deadline:
+            try:
+                job.collect(timeout=2)
+            except Exception as exc:
+                raise RuntimeError(f"a benchmark process failed: {exc}") from exc
+            missing = [k for k in keys if not store.check([k])]
+            raise TimeoutError(f"timed out waiting for {len(missing)} of {len(keys)} keys: {missing[:4]}...")
+        time.sleep(0.05)
+    store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 1)))
     return list(store.multi_get(keys))
 
 
@@ -207,6 +219,7 @@ def detection_trial(spec: dict[str, Any], scenario: str, control: dist.TCPStore)
 
 def sim_process(rank: int, world: int, port: int, spec: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
     """``opts["n"]`` simulated members: records, joins, heartbeats at 10 Hz, and watchers."""
+    from ftc10d import StoreUnavailableError
     from ftc10d.membership import Agreement, MemberInfo, Signer
     from ftc10d.membership.agreement import hb_key, mem_key
 
@@ -237,7 +250,10 @@ def sim_process(rank: int, world: int, port: int, spec: dict[str, Any], opts: di
             for mid in share:
                 if mid not in frozen:
                     key = hb_key(mid)
-                    st.put(key, signer.encode_beat(key, counter))
+                    try:
+                        st.put(key, signer.encode_beat(key, counter))
+                    except StoreUnavailableError:
+                        continue  # a (re)connect stalled: the member misses one beat
                     done += 1
             with lock:
                 beats[0] += done
@@ -253,14 +269,17 @@ def sim_process(rank: int, world: int, port: int, spec: dict[str, Any], opts: di
         ag = Agreement(st, signer)
         cur = None
         while not stop.is_set():
-            if cur is None:
-                cur = ag.latest()
+            try:
                 if cur is None:
-                    time.sleep(0.02)
-                    continue
-                control.set(f"sim/hold/{rank}/{w}/{cur.epoch}", repr(time.monotonic()))
-            ag.remember(cur)
-            raw = st.wait_for(f"cfg/{cur.epoch + 1:012d}", 5.0)
+                    st.wait_for("start", 5.0)  # server-pushed: no polling while the others join
+                    cur = ag.latest()
+                    if cur is None:
+                        continue
+                    control.set(f"sim/hold/{rank}/{w}/{cur.epoch}", repr(time.monotonic()))
+                ag.remember(cur)
+                raw = st.wait_for(f"cfg/{cur.epoch + 1:012d}", 5.0)
+            except StoreUnavailableError:
+                continue
             if raw is None:
                 continue
             nxt = ag.read_config(cur.epoch + 1, raw=raw)
@@ -282,8 +301,6 @@ def sim_process(rank: int, world: int, port: int, spec: dict[str, Any], opts: di
         if control.check([key]):
             frozen.add(control.get(key).decode())
             seen += 1
-        if control.check([f"sim/count/{rank}/req"]) and not control.check([f"sim/count/{rank}/{seen}"]):
-            pass
         with lock:
             control.set(f"sim/beats/{rank}", str(beats[0]))
         time.sleep(0.02)
@@ -325,15 +342,15 @@ def scale_run(n_members: int, procs: int, detect: bool, window: float, per_watch
     job = start(sim_process, procs, spec, opts, store=control)
     out: dict[str, Any] = {"members": n_members, "detect": detect}
     try:
-        ids = [json.loads(v) for v in _wait_keys(control, [f"sim/joined/{r}" for r in range(procs)], 300)]
-        watches = [int(v) for v in _wait_keys(control, [f"sim/watches/{r}" for r in range(procs)], 60)]
+        ids = [json.loads(v) for v in _wait_keys(control, [f"sim/joined/{r}" for r in range(procs)], 300, job)]
+        watches = [int(v) for v in _wait_keys(control, [f"sim/watches/{r}" for r in range(procs)], 60, job)]
         ag = Agreement(_make_store(spec), Signer(None), expected=n_members, require_majority=True)
         t = time.monotonic()
         first = ag.propose(reason="benchmark: all joined")
         assert first.config is not None and first.config.size == n_members, first
         out["form_ms"] = (time.monotonic() - t) * 1000
         hold_keys = lambda e: [f"sim/hold/{r}/{w}/{e}" for r in range(procs) for w in range(watches[r])]  # noqa: E731
-        _wait_keys(control, hold_keys(first.config.epoch), 120)
+        _wait_keys(control, hold_keys(first.config.epoch), 120, job)
         time.sleep(2.0)  # settle
         b0 = sum(int(v) for v in _wait_keys(control, [f"sim/beats/{r}" for r in range(procs)], 10))
         c0, t0 = _cpu_seconds(coord.pid), time.monotonic()
@@ -354,7 +371,7 @@ def scale_run(n_members: int, procs: int, detect: bool, window: float, per_watch
         t = time.monotonic()
         rep = ag.report_exit(handle)
         assert rep.changed, rep
-        holds = _wait_keys(control, hold_keys(epoch + 1), 60)
+        holds = _wait_keys(control, hold_keys(epoch + 1), 60, job)
         out["report_to_all_ms"] = (max(float(v) for v in holds) - t) * 1000
         out["propose_ms"] = 0.0
         if detect:
@@ -362,7 +379,7 @@ def scale_run(n_members: int, procs: int, detect: bool, window: float, per_watch
             victim2 = ids[-1][-1]
             t = time.monotonic()
             control.set("sim/freeze/1", victim2)
-            holds = _wait_keys(control, hold_keys(epoch + 2), 60)
+            holds = _wait_keys(control, hold_keys(epoch + 2), 60, job)
             out["frozen_to_all_ms"] = (max(float(v) for v in holds) - t) * 1000
         control.set("sim/stop", "1")
         job.collect(timeout=60)
@@ -390,7 +407,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from ftc10d.membership import Coordinator
 
     results: dict[str, Any] = {"detection": {}, "scale": []}
-    backends = ["tcp"] + ([] if args.no_etcd or shutil.which("etcd") is None else ["etcd"])
+    backends = [] if args.trials <= 0 else ["tcp"] + ([] if args.no_etcd or shutil.which("etcd") is None else ["etcd"])
     rows = []
     for backend in backends:
         co = Coordinator(detect=False).start() if backend == "tcp" else None
@@ -417,11 +434,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                 co.close()
             if etcd is not None:
                 etcd.stop()
-    print(f"membership detection-to-agreement: 4 members (real processes, real ProcessGroups), heartbeat timeout "
+    if rows:
+        print(f"membership detection-to-agreement: 4 members (real processes, real ProcessGroups), heartbeat timeout "
           f"{HB_TIMEOUT:g} s; time from the failure to every survivor holding the next configuration; "
           f"{machine()}")
-    print(table(["backend", "failure seen through", "trials", "p50 ms", "p90 ms", "max ms", "target (p50)", "verdict"],
-                rows))
+        print(table(["backend", "failure seen through", "trials", "p50 ms", "p90 ms", "max ms", "target (p50)",
+                     "verdict"], rows))
     scale_rows = []
     for n in [int(x) for x in args.scale.split(",") if x]:
         for detect in (False, True):

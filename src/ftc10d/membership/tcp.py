@@ -41,6 +41,8 @@ logger = logging.getLogger("ftc10d")
 DEFAULT_PREFIX = "ftc10d/membership/"
 JOIN_LOG = "joins"
 T = TypeVar("T")
+_CONNECT_LOCK = threading.Lock()
+CONNECT_ATTEMPT_S = 2.0
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -94,11 +96,24 @@ class TCPMembershipStore(MembershipStore):
     # ------------------------------------------------------------- connection
 
     def _connect(self) -> dist.TCPStore:
-        try:
-            client = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
-                                   timeout=timedelta(seconds=self.connect_timeout))
-        except Exception as exc:
-            raise StoreUnavailableError(f"membership store {self.describe()} is unreachable: {exc}") from exc
+        # A first connection gets a generous deadline; a reconnect is kept short, so that a
+        # member notices a dead store within a couple of heartbeats.
+        limit = self.connect_timeout if self._ever_connected else max(self.connect_timeout, self.timeout, 12.0)
+        deadline = time.monotonic() + limit
+        while True:
+            # Attempts, retried: torch's client resolves the peer's name on every connect, and on
+            # this kind of machine about one lookup in 25 stalls for 5 s (the resolver's poll,
+            # whatever the timeout given) while the next attempt takes a millisecond. Attempts
+            # are serialized per process: many threads connecting at once fail far more often.
+            attempt = min(CONNECT_ATTEMPT_S, max(deadline - time.monotonic(), 0.05))
+            try:
+                with _CONNECT_LOCK:
+                    client = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
+                                           timeout=timedelta(seconds=attempt))
+                break
+            except Exception as exc:
+                if time.monotonic() >= deadline:
+                    raise StoreUnavailableError(f"membership store {self.describe()} is unreachable: {exc}") from exc
         client.set_timeout(timedelta(seconds=self.timeout))
         if self._ever_connected:
             self.connection_epoch += 1
