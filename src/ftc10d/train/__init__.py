@@ -1,0 +1,9 @@
+"""Training that keeps going: a worker's bootstrap under ``ftc10d launch``, the
+step-commit Manager, live state recovery for joiners, and DDP integration.
+
+Composes ``pg/`` and ``membership/``; neither knows about this layer.
+"""
+
+from ftc10d.train.bootstrap import WorkerEnv, handle_key, init_from_env
+
+__all__ = ["init_from_env", "WorkerEnv", "handle_key"]

@@ -1,0 +1,115 @@
+"""A worker's first steps under ``ftc10d launch``: group, membership, admission.
+
+Why not ``torch.distributed.init_process_group``: it waits for ``WORLD_SIZE``
+ranks to arrive at one rendezvous, which a replacement started minutes later
+can never do. Here every process creates an *unconfigured* ftc10d group (it
+only has a reconfigure handle), joins the membership with that handle, and the
+group is configured by the membership's first (or next) configuration: the
+same code path serves the first start, a replacement and a rejoin.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from ftc10d.membership import Member, ReconnectingTCPStore, TCPMembershipStore
+from ftc10d.membership.records import TOKEN_ENV
+from ftc10d.pg import ProcessGroup
+from ftc10d.types import InvalidOptionError
+
+logger = logging.getLogger("ftc10d")
+
+#: ``host:port`` of the coordinator store (set by ``ftc10d launch``).
+COORDINATOR_ENV = "FTC10D_COORDINATOR"
+#: Identifies one launcher; with the pid, the key under which a worker publishes its handle.
+LAUNCH_ID_ENV = "FTC10D_LAUNCH_ID"
+HEARTBEAT_ENV = "FTC10D_HEARTBEAT_TIMEOUT"
+MIN_MEMBERS_ENV = "FTC10D_MIN_MEMBERS"
+#: Prefix of the pg's rendezvous keys in the coordinator store.
+PG_PREFIX = "ftc10d/pg"
+
+
+def handle_key(launch_id: str, pid: int) -> str:
+    """Where a worker started by launcher ``launch_id`` publishes its reconfigure handle,
+    so that the launcher can name it to the membership the moment the process exits."""
+    return f"ftc10d/launch/{launch_id}/pid/{pid}"
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What ``ftc10d launch`` (or torchrun-like tooling) tells a worker."""
+
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    launch_id: Optional[str]
+    heartbeat_timeout: float
+    min_members: int
+
+    @classmethod
+    def from_environ(cls, environ: Optional[dict[str, str]] = None) -> "WorkerEnv":
+        env = dict(os.environ if environ is None else environ)
+        address = env.get(COORDINATOR_ENV)
+        if not address:
+            if "MASTER_ADDR" in env and "MASTER_PORT" in env:
+                address = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+            else:
+                raise InvalidOptionError(
+                    f"no coordinator: set {COORDINATOR_ENV}=host:port (ftc10d launch sets it), "
+                    "or MASTER_ADDR and MASTER_PORT"
+                )
+        host, sep, port = address.rpartition(":")
+        if not sep or not port.isdigit():
+            raise InvalidOptionError(f"{COORDINATOR_ENV}={address!r} is not host:port")
+        try:
+            rank = int(env.get("RANK", "0"))
+            world = int(env.get("WORLD_SIZE", "1"))
+            hb = float(env.get(HEARTBEAT_ENV, "1.0"))
+            min_members = int(env.get(MIN_MEMBERS_ENV, "1"))
+        except ValueError as exc:
+            raise InvalidOptionError(f"malformed launcher environment: {exc}") from exc
+        if world < 1 or not 0 <= rank < world:
+            raise InvalidOptionError(f"RANK={rank} is not in [0, WORLD_SIZE={world})")
+        return cls(host.strip("[]"), int(port), rank, world, env.get(LAUNCH_ID_ENV), hb, min_members)
+
+
+def init_from_env(
+    *,
+    heartbeat_timeout: Optional[float] = None,
+    min_members: Optional[int] = None,
+    timeout: timedelta = timedelta(seconds=30),
+    admission_timeout: float = 300.0,
+    token: Optional[str] = None,
+) -> tuple[ProcessGroup, Member]:
+    """Create this worker's group, join the membership and wait to be admitted.
+
+    Returns ``(pg, member)`` with ``pg`` configured on the member's configuration.
+    ``RANK``/``WORLD_SIZE`` only shape the *first* configuration (it waits for
+    ``WORLD_SIZE`` members); ranks in later ones follow membership order.
+    """
+    env = WorkerEnv.from_environ()
+    hb = heartbeat_timeout if heartbeat_timeout is not None else env.heartbeat_timeout
+    base = ReconnectingTCPStore(env.host, env.port, timeout=timeout)
+    pg = ProcessGroup(dist.PrefixStore(PG_PREFIX, base), env.rank, env.world_size, timeout=timeout,
+                      enable_reconfigure=True)
+    handle = pg.get_reconfigure_handle()
+    if env.launch_id:
+        base.set(handle_key(env.launch_id, os.getpid()), handle)
+    member = Member(
+        TCPMembershipStore(env.host, env.port),
+        handle,
+        token=token if token is not None else os.environ.get(TOKEN_ENV),
+        heartbeat_timeout=hb,
+        min_members=min_members if min_members is not None else env.min_members,
+        expected=env.world_size,
+    ).join().attach(pg)
+    cfg = member.sync(pg, timeout=admission_timeout)
+    logger.info("worker %d: admitted at epoch %d as rank %d of %d", os.getpid(), cfg.epoch, pg.rank(), pg.size())
+    return pg, member
