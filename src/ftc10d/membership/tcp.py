@@ -349,6 +349,15 @@ class ReconnectingTCPStore(dist.Store):
         return dist.TCPStore(self._host, self._port, is_master=False, wait_for_workers=False, timeout=self._timeout)
 
     def _call(self, fn: Callable[[dist.TCPStore], T]) -> T:
+        try:
+            return self._call_once(fn)
+        except Exception as exc:
+            # torch's C++ wrappers (PrefixStore, Gloo) replace an exception raised by a Python
+            # store with "INTERNAL ASSERT FAILED ... Not implemented": say what it really was.
+            logger.warning("store %s:%d: %s: %s", self._host, self._port, type(exc).__name__, exc)
+            raise
+
+    def _call_once(self, fn: Callable[[dist.TCPStore], T]) -> T:
         client = self._client
         try:
             return fn(client)

@@ -5,5 +5,17 @@ Composes ``pg/`` and ``membership/``; neither knows about this layer.
 """
 
 from ftc10d.train.bootstrap import WorkerEnv, handle_key, init_from_env
+from ftc10d.train.ddp import DistributedDataParallel, allreduce_hook
+from ftc10d.train.manager import ManagedOptimizer, Manager
+from ftc10d.train.state import StateFormatError
 
-__all__ = ["init_from_env", "WorkerEnv", "handle_key"]
+__all__ = [
+    "init_from_env",
+    "WorkerEnv",
+    "handle_key",
+    "Manager",
+    "ManagedOptimizer",
+    "DistributedDataParallel",
+    "allreduce_hook",
+    "StateFormatError",
+]

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
-import torch.distributed as dist
-
 from ftc10d.membership import Member, ReconnectingTCPStore, TCPMembershipStore
 from ftc10d.membership.records import TOKEN_ENV
 from ftc10d.pg import ProcessGroup
@@ -31,8 +29,6 @@ COORDINATOR_ENV = "FTC10D_COORDINATOR"
 LAUNCH_ID_ENV = "FTC10D_LAUNCH_ID"
 HEARTBEAT_ENV = "FTC10D_HEARTBEAT_TIMEOUT"
 MIN_MEMBERS_ENV = "FTC10D_MIN_MEMBERS"
-#: Prefix of the pg's rendezvous keys in the coordinator store.
-PG_PREFIX = "ftc10d/pg"
 
 
 def handle_key(launch_id: str, pid: int) -> str:
@@ -97,8 +93,10 @@ def init_from_env(
     env = WorkerEnv.from_environ()
     hb = heartbeat_timeout if heartbeat_timeout is not None else env.heartbeat_timeout
     base = ReconnectingTCPStore(env.host, env.port, timeout=timeout)
-    pg = ProcessGroup(dist.PrefixStore(PG_PREFIX, base), env.rank, env.world_size, timeout=timeout,
-                      enable_reconfigure=True)
+    # The group holds the Python store itself: wrapped in a C++ PrefixStore only, the Python
+    # object would be collected and torch's trampoline would fail every later call with
+    # "Not implemented". The group's keys live under "ftc10d/cfg|init/", apart from membership's.
+    pg = ProcessGroup(base, env.rank, env.world_size, timeout=timeout, enable_reconfigure=True)
     handle = pg.get_reconfigure_handle()
     if env.launch_id:
         base.set(handle_key(env.launch_id, os.getpid()), handle)

@@ -1,0 +1,312 @@
+"""The step-commit Manager: a step is applied by every participant or by none.
+
+Per step, two calls (``ManagedOptimizer`` makes them for you):
+
+- :meth:`Manager.start_step` — if the membership moved on (a member was removed
+  or admitted) or the last step failed, reconfigure the group onto the newest
+  configuration, then bring every rank that is behind (a joiner, a member that
+  was fenced and rejoined, a survivor that missed a commit) up to the most
+  advanced committed state over the group (:mod:`ftc10d.train.recovery`).
+- :meth:`Manager.should_commit` — one all-reduce (MAX) of ``(failed, newest
+  epoch seen)``: the step commits only if no participant failed, and every
+  participant learns the newest configuration epoch anyone saw, so that all
+  of them switch configuration at the same step boundary (a rank that switched
+  alone would leave the others waiting in a collective on the old one).
+
+If a member dies during the vote itself, the survivors that completed it apply
+the step and the others do not; the next ``start_step`` finds that difference in
+the committed step counters and the laggards receive the applied state before
+anyone computes again, so the step ends up applied by all survivors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ftc10d.membership import Member
+from ftc10d.train.ddp import DistributedDataParallel
+from ftc10d.train.recovery import make_plan, transfer
+from ftc10d.train.state import StateFormatError, fingerprint, state_hash
+from ftc10d.types import CollectiveError, ErrorType, Fenced, InvalidOptionError
+
+logger = logging.getLogger("ftc10d")
+
+Listener = Callable[[str, dict[str, Any]], None]
+_RESERVED = "ftc10d"
+
+
+class Manager:
+    """Coordinates one rank's training steps with the membership.
+
+    Args:
+        pg: this rank's ftc10d ``ProcessGroup`` (configured or not).
+        member: its :class:`ftc10d.membership.Member` (joined, attached to ``pg``).
+        rejoin_if_fenced: a member removed while frozen rejoins as a new member and
+            receives the state again (instead of raising :class:`ftc10d.Fenced`).
+        sync_timeout: bound (s) of waiting for a usable configuration in ``start_step``.
+    """
+
+    def __init__(self, pg: Any, member: Member, *, rejoin_if_fenced: bool = True,
+                 sync_timeout: float = 300.0) -> None:
+        self.pg = pg
+        self.member = member
+        self.rejoin_if_fenced = rejoin_if_fenced
+        self.sync_timeout = sync_timeout
+        #: Number of committed steps (restored on joiners with the rest of the state).
+        self.step = 0
+        self._synced = False
+        self._exchanged_uuid: Optional[int] = None
+        self._target_epoch = 0
+        self._error: Optional[BaseException] = None
+        self._states: dict[str, tuple[Callable[[], Any], Callable[[Any], None], Any]] = {}
+        self._listeners: list[Listener] = []
+        self._ddps: list[DistributedDataParallel] = []
+        self._vote_opts = dist.AllreduceOptions()
+        self._vote_opts.reduceOp = dist.ReduceOp.MAX
+
+    # ---------------------------------------------------------------- state
+
+    def register(self, name: str, obj: Any = None, *, state_dict: Optional[Callable[[], Any]] = None,
+                 load_state_dict: Optional[Callable[[Any], None]] = None) -> None:
+        """Include ``obj.state_dict()`` (or ``state_dict()``) in what joiners receive.
+
+        Values must be tensors, dicts, lists, tuples, numbers, strings or None
+        (nothing is pickled). Register the same names in the same order on every rank.
+        """
+        if not isinstance(name, str) or not name or name == _RESERVED:
+            raise InvalidOptionError(f"state name {name!r} is invalid (non-empty str, not {_RESERVED!r})")
+        if name in self._states:
+            raise InvalidOptionError(f"state {name!r} is already registered")
+        if obj is not None:
+            if state_dict is not None or load_state_dict is not None:
+                raise InvalidOptionError("pass either an object or state_dict=/load_state_dict=, not both")
+            if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
+                raise InvalidOptionError(f"{name!r}: {type(obj).__name__} has no state_dict()/load_state_dict()")
+            state_dict, load_state_dict = obj.state_dict, obj.load_state_dict
+        elif state_dict is None or load_state_dict is None:
+            raise InvalidOptionError(f"{name!r}: give an object, or both state_dict= and load_state_dict=")
+        self._states[name] = (state_dict, load_state_dict, obj)
+
+    def registered(self, obj: Any) -> bool:
+        return any(o is obj for _, _, o in self._states.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a joiner receives: the registered states and the committed step."""
+        out: dict[str, Any] = {_RESERVED: {"step": self.step}}
+        for name, (get, _, _) in self._states.items():
+            out[name] = get()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = [n for n in [_RESERVED, *self._states] if n not in state]
+        extra = [n for n in state if n != _RESERVED and n not in self._states]
+        if missing or extra:
+            raise StateFormatError(f"received state does not match the registered names: missing {missing}, "
+                                   f"unexpected {extra}; register the same names on every rank")
+        for name, (_, load, _) in self._states.items():
+            load(state[name])
+        self.step = int(state[_RESERVED]["step"])
+
+    def fingerprint(self) -> str:
+        """Equal on two replicas iff (almost surely) their states are bitwise equal; cheap."""
+        return fingerprint(self.state_dict())
+
+    def state_hash(self) -> str:
+        """sha256 of the whole state (skeleton and bytes)."""
+        return state_hash(self.state_dict())
+
+    # ---------------------------------------------------------------- views
+
+    @property
+    def rank(self) -> int:
+        return int(self.pg.rank())
+
+    @property
+    def world_size(self) -> int:
+        return int(self.pg.size())
+
+    @property
+    def epoch(self) -> int:
+        cur = self.member._current
+        return cur.epoch if cur is not None else 0
+
+    def add_listener(self, fn: Listener) -> None:
+        """``fn(kind, info)`` on reconfigured / recovered / sent_state / aborted_step / fenced / rejoined."""
+        self._listeners.append(fn)
+
+    def _emit(self, kind: str, **info: Any) -> None:
+        for fn in list(self._listeners):
+            try:
+                fn(kind, info)
+            except Exception:
+                logger.exception("manager listener failed on %s", kind)
+
+    # ---------------------------------------------------------------- DDP
+
+    def ddp(self, module: nn.Module, **ddp_kwargs: Any) -> DistributedDataParallel:
+        """torch's DDP over this group (see :mod:`ftc10d.train.ddp`); registers ``module`` as
+        state "model" unless it is registered already."""
+        if not self.registered(module):
+            self.register("model", module)
+        wrapper = DistributedDataParallel(module, self, **ddp_kwargs)
+        self._ddps.append(wrapper)
+        return wrapper
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
+        """Average ``tensor`` over the current participants, in place. The future never
+        fails: a failure is noted (the step will not commit) and the tensor returned."""
+        if self._error is None:
+            try:
+                work = self.pg.allreduce([tensor])
+            except (CollectiveError, RuntimeError) as exc:
+                self.note_failure(exc)
+            else:
+                size = self.pg.size()
+
+                def done(fut: torch.futures.Future) -> torch.Tensor:
+                    try:
+                        fut.value()
+                    except Exception as exc:
+                        self.note_failure(exc)
+                        return tensor
+                    return tensor.div_(size)
+
+                return work.get_future().then(done)
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(tensor)
+        return fut
+
+    def note_failure(self, exc: BaseException) -> bool:
+        """Record a failure of this step's communication; False if it was not one (re-raise it)."""
+        if isinstance(exc, CollectiveError) or self.pg.get_error() != ErrorType.SUCCESS:
+            if self._error is None:
+                self._error = exc
+            return True
+        return False
+
+    # ---------------------------------------------------------------- steps
+
+    def start_step(self) -> None:
+        """Begin a step: switch to a new configuration and recover state if needed."""
+        self._error = None
+        try:
+            cur = self.member.current()
+        except Fenced as exc:
+            self._on_fenced(exc)
+            cur = None
+        if (cur is None or cur.uuid != self.pg.uuid or cur.epoch < self._target_epoch
+                or self._exchanged_uuid != self.pg.uuid or self.pg.get_error() != ErrorType.SUCCESS):
+            self._recover()
+
+    def should_commit(self, ok: bool = True) -> bool:
+        """The vote: True on every participant that completes it iff no participant failed."""
+        failed = int(not ok or self._error is not None or self.pg.get_error() != ErrorType.SUCCESS)
+        if failed and self.pg.get_error() != ErrorType.SUCCESS:
+            return self._abort_step("the group failed during the step")
+        cur = self.member._current
+        vote = torch.tensor([failed, cur.epoch if cur is not None else 0], dtype=torch.int64)
+        try:
+            self.pg.allreduce([vote], self._vote_opts).wait()
+        except CollectiveError as exc:
+            self._error = exc
+            return self._abort_step(f"the vote failed: {exc}")
+        self._target_epoch = int(vote[1])
+        if int(vote[0]):
+            return self._abort_step(str(self._error) if self._error is not None
+                                    else "a participant voted against committing")
+        self.step += 1
+        return True
+
+    def _abort_step(self, why: str) -> bool:
+        logger.info("manager: step %d not committed: %s", self.step, why)
+        self._emit("aborted_step", step=self.step, error=why)
+        return False
+
+    def _on_fenced(self, exc: Fenced) -> None:
+        self._emit("fenced", epoch=exc.epoch, error=str(exc))
+        if not self.rejoin_if_fenced:
+            raise exc
+        self.member = self.member.rejoin().attach(self.pg)
+        self._synced = False
+        logger.warning("manager: fenced at epoch %s; rejoined as member %s", exc.epoch, self.member.id)
+
+    def _recover(self) -> None:
+        """Until it succeeds: newest configuration, reconfigure, plan, transfer, rebuild DDP."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.sync_timeout
+        while True:
+            left = max(deadline - time.monotonic(), 0.001)
+            try:
+                cur = self.member._current
+                if cur is not None and cur.epoch < self._target_epoch:
+                    self.member.wait_next(self._target_epoch - 1, timeout=left)
+                cfg = self.member.sync(self.pg, timeout=left)
+                plan = make_plan(self.pg, self.step, self._synced)
+                state, nbytes, secs = transfer(self.pg, plan, self.state_dict)
+            except Fenced as exc:
+                self._on_fenced(exc)
+                continue
+            except CollectiveError as exc:
+                logger.warning("manager: recovery interrupted (%s); waiting for the next configuration", exc)
+                continue
+            if state is not None:
+                self.load_state_dict(state)
+                self._emit("recovered", source=plan.source, bytes=nbytes, seconds=secs, step=self.step)
+                logger.info("manager: received state of step %d from rank %d (%d bytes, %.1f ms)",
+                            self.step, plan.source, nbytes, secs * 1000)
+            elif plan.needed and self.rank == plan.source:
+                self._emit("sent_state", to=plan.recipients, bytes=nbytes, seconds=secs, step=self.step)
+            self._synced = True
+            self._exchanged_uuid = self.pg.uuid
+            self._target_epoch = max(self._target_epoch, cfg.epoch)
+            for wrapper in self._ddps:
+                wrapper.rebuild()
+            self._emit("reconfigured", epoch=cfg.epoch, uuid=cfg.uuid, rank=self.rank, world_size=self.world_size,
+                       seconds=time.perf_counter() - t0)
+            return
+
+    def close(self) -> None:
+        """Leave the membership (the others need not wait for a heartbeat timeout)."""
+        self.member.close(leave=True)
+
+
+class ManagedOptimizer:
+    """An optimizer whose ``step()`` applies only committed steps.
+
+    ``zero_grad()`` starts the step (:meth:`Manager.start_step`); ``step()`` votes
+    (:meth:`Manager.should_commit`) and applies the update only if it committed,
+    returning whether it did. The wrapped optimizer is registered as state "optim"
+    unless it is registered already.
+    """
+
+    def __init__(self, manager: Manager, optimizer: torch.optim.Optimizer) -> None:
+        self.manager = manager
+        self.optimizer = optimizer
+        if not manager.registered(optimizer):
+            manager.register("optim", optimizer)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.manager.start_step()
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Optional[Callable[[], float]] = None, *, ok: bool = True) -> bool:
+        if not self.manager.should_commit(ok):
+            return False
+        self.optimizer.step(closure)
+        return True
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)

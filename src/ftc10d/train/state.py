@@ -1,0 +1,203 @@
+"""State as bytes without pickle: a JSON skeleton plus one flat tensor buffer.
+
+Why not ``torch.save``: it pickles, and a joiner would unpickle bytes that came
+over the network (invariant 5 forbids it). A state dict is a tree of dicts,
+lists, tuples, tensors and scalars; the skeleton (structure, scalars, dtypes,
+shapes, offsets) goes out as JSON, and every tensor's bytes go out packed into
+one ``uint8`` buffer, so the transfer is one large message that runs at the
+transport's full rate. Each tensor starts at an aligned offset, so the receiver
+reads it as a view of that buffer without another copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ftc10d.types import FTC10DError
+
+#: Offsets of tensors in the packed buffer are multiples of this (any dtype can view them).
+ALIGN = 64
+FORMAT = "ftc10d-state-1"
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+        torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    )
+}
+
+
+class StateFormatError(FTC10DError, ValueError):
+    """A state dict holds something that cannot be sent without pickle, or a received
+    skeleton does not describe the buffer that came with it."""
+
+
+@dataclass
+class Packed:
+    """A state dict ready to send: ``skeleton`` (JSON text) and ``buffer`` (uint8)."""
+
+    skeleton: str
+    buffer: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.numel()) + len(self.skeleton)
+
+
+def _encode(obj: Any, tensors: list[torch.Tensor], path: str) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if obj.is_sparse or obj.layout != torch.strided:
+            raise StateFormatError(f"{path}: only dense (strided) tensors can be sent, got layout {obj.layout}")
+        name = str(obj.dtype).removeprefix("torch.")
+        if name not in _DTYPES:
+            raise StateFormatError(f"{path}: dtype {obj.dtype} is not supported for state transfer")
+        tensors.append(obj)
+        return {"T": len(tensors) - 1, "dtype": name, "shape": list(obj.shape)}
+    if isinstance(obj, dict):
+        items = []
+        for k, v in obj.items():
+            if not isinstance(k, (str, int, float, bool)) and k is not None:
+                raise StateFormatError(f"{path}: dict key {k!r} of type {type(k).__name__} cannot be sent")
+            items.append([k, _encode(v, tensors, f"{path}.{k}")])
+        return {"D": items}
+    if isinstance(obj, list):
+        return {"L": [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, tuple):
+        return {"U": [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise StateFormatError(
+        f"{path}: a {type(obj).__name__} cannot be sent to a joiner (only tensors, dicts, lists, tuples, "
+        "numbers, strings and None: nothing is pickled); convert it in your state_dict()"
+    )
+
+
+def pack(state: Any) -> Packed:
+    """Flatten ``state`` into a skeleton and one aligned byte buffer (one copy of each tensor)."""
+    tensors: list[torch.Tensor] = []
+    tree = _encode(state, tensors, "state")
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    buffer = torch.empty(total, dtype=torch.uint8)
+    for i, (t, off) in enumerate(zip(tensors, offsets)):
+        n = t.numel() * t.element_size()
+        if n:
+            buffer[off:off + n].copy_(t.detach().reshape(-1).view(torch.uint8))
+        end = offsets[i + 1] if i + 1 < len(offsets) else total
+        buffer[off + n:end].zero_()  # padding: deterministic bytes, so equal states hash equal
+    skeleton = json.dumps({"format": FORMAT, "tree": tree, "offsets": offsets, "nbytes": total},
+                          separators=(",", ":"))
+    return Packed(skeleton, buffer)
+
+
+def _decode(node: Any, views: list[torch.Tensor]) -> Any:
+    if isinstance(node, dict):
+        if "T" in node:
+            return views[node["T"]]
+        if "D" in node:
+            return {k: _decode(v, views) for k, v in node["D"]}
+        if "L" in node:
+            return [_decode(v, views) for v in node["L"]]
+        if "U" in node:
+            return tuple(_decode(v, views) for v in node["U"])
+        raise StateFormatError(f"unknown node {sorted(node)} in a state skeleton")
+    return node
+
+
+def _tensor_specs(node: Any, out: dict[int, tuple[str, list[int]]]) -> None:
+    if isinstance(node, dict):
+        if "T" in node:
+            out[int(node["T"])] = (node["dtype"], [int(s) for s in node["shape"]])
+            return
+        for key in ("D", "L", "U"):
+            if key in node:
+                for v in node[key]:
+                    _tensor_specs(v[1] if key == "D" else v, out)
+
+
+def unpack(skeleton: str, buffer: torch.Tensor) -> Any:
+    """The state dict described by ``skeleton``; its tensors are views of ``buffer``."""
+    try:
+        doc = json.loads(skeleton)
+    except ValueError as exc:
+        raise StateFormatError(f"state skeleton is not JSON: {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise StateFormatError(f"state skeleton has format {doc.get('format') if isinstance(doc, dict) else None!r},"
+                               f" expected {FORMAT!r} (a peer running another ftc10d version?)")
+    if int(doc["nbytes"]) != buffer.numel():
+        raise StateFormatError(f"state buffer has {buffer.numel()} bytes, the skeleton describes {doc['nbytes']}")
+    specs: dict[int, tuple[str, list[int]]] = {}
+    _tensor_specs(doc["tree"], specs)
+    offsets = doc["offsets"]
+    views: list[torch.Tensor] = []
+    for i in range(len(offsets)):
+        name, shape = specs[i]
+        dtype = _DTYPES.get(name)
+        if dtype is None:
+            raise StateFormatError(f"state tensor {i} has unknown dtype {name!r}")
+        count = 1
+        for s in shape:
+            count *= s
+        n = count * torch.empty((), dtype=dtype).element_size()
+        off = int(offsets[i])
+        if off < 0 or off + n > buffer.numel():
+            raise StateFormatError(f"state tensor {i} lies outside the buffer")
+        views.append(buffer[off:off + n].view(dtype).reshape(shape))
+    return _decode(doc["tree"], views)
+
+
+def tensors_of(state: Any) -> list[torch.Tensor]:
+    """Every tensor in ``state``, in a fixed (traversal) order."""
+    out: list[torch.Tensor] = []
+    _encode(state, out, "state")
+    return out
+
+
+_WEIGHTS: dict[int, torch.Tensor] = {}
+
+
+def _weights(n: int) -> torch.Tensor:
+    w = _WEIGHTS.get(n)
+    if w is None:
+        w = _WEIGHTS[n] = torch.arange(1, 2 * n, 2, dtype=torch.int64)
+    return w
+
+
+def fingerprint(state: Any) -> str:
+    """A cheap value that differs when any bit of any tensor differs (almost surely).
+
+    Each tensor's bytes, read as int32 words (int16/uint8 for odd sizes), are
+    combined with position-dependent odd weights in int64 arithmetic; a
+    sha256 per step would cost more than the step of a small model.
+    """
+    acc = []
+    for t in tensors_of(state):
+        raw = t.detach().reshape(-1).view(torch.uint8)
+        n = raw.numel()
+        if n == 0:
+            acc.append(0)
+            continue
+        head = raw[: n - n % 4].view(torch.int32).to(torch.int64)
+        weights = _weights(head.numel())
+        value = int((head * weights).sum()) if head.numel() else 0
+        tail = raw[n - n % 4:]
+        value = value * 1_000_003 + int(tail.to(torch.int64).sum())
+        acc.append(value & 0xFFFFFFFFFFFF)
+    return hashlib.blake2b(repr(acc).encode(), digest_size=8).hexdigest()
+
+
+def state_hash(state: Any) -> str:
+    """sha256 over every tensor's bytes and the skeleton: the end-of-run equality check."""
+    h = hashlib.sha256()
+    packed = pack(state)
+    h.update(packed.skeleton.encode())
+    h.update(packed.buffer.numpy().tobytes())
+    return h.hexdigest()
