@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 import torch.distributed as dist
@@ -80,3 +80,22 @@ def test_kill_one_of_four_then_a_replacement_joins(coordinator: Coordinator) -> 
     assert all(r["steps"] == steps for r in results.values())
     recovered = [e for e in results[4]["events"] if e[1] == "recovered"]
     assert recovered and recovered[0][2]["step"] > 25, recovered
+
+
+def test_frozen_member_is_fenced_and_rejoins_with_the_committed_state(coordinator: Coordinator) -> None:
+    steps, hb = 50, 0.5
+    job = start(train_worker, 4, coordinator.address, {"steps": steps, "interval": 0.01, "hb": hb, "finishers": 4})
+    try:
+        wait_progress(job, 0, 10)
+        job.signal(2, signal.SIGSTOP)
+        frozen_at = progress(job.store, job.pid(2))
+        wait_progress(job, 0, frozen_at + 10)  # the others went on without it
+        job.signal(2, signal.SIGCONT)
+        results = job.collect(timeout=120)
+    finally:
+        job.close()
+    assert check_invariant(job.store, [r["pid"] for r in results.values()], steps) >= steps - 1
+    assert len({r["final"] for r in results.values()}) == 1, "live replicas differ at the end"
+    kinds = [e[1] for e in results[2]["events"]]
+    assert "fenced" in kinds and "recovered" in kinds, kinds
+    assert all(r["steps"] == steps for r in results.values())
