@@ -99,3 +99,45 @@ def test_frozen_member_is_fenced_and_rejoins_with_the_committed_state(coordinato
     kinds = [e[1] for e in results[2]["events"]]
     assert "fenced" in kinds and "recovered" in kinds, kinds
     assert all(r["steps"] == steps for r in results.values())
+
+
+def test_member_dies_during_the_commit_vote(coordinator: Coordinator) -> None:
+    steps = 40
+    job = start(train_worker, 4, coordinator.address,
+                {"steps": steps, "interval": 0.01, "finishers": 3, "die": {"3": {"op": "vote", "after_step": 12}}})
+    try:
+        results = job.collect([0, 1, 2], timeout=120)
+    finally:
+        job.close()
+    assert job.procs[3].exitcode == -signal.SIGKILL
+    pids = [r["pid"] for r in results.values()] + [job.pid(3)]
+    assert check_invariant(job.store, pids, steps) >= steps - 1
+    assert len({r["final"] for r in results.values()}) == 1
+    assert all(r["steps"] == steps and r["aborted"] >= 1 for r in results.values())
+
+
+def test_source_dies_while_sending_state_to_a_joiner_and_two_failures_in_a_row(coordinator: Coordinator) -> None:
+    """Rank 1 is killed and, 30 ms later, rank 2 too; a replacement joins; rank 0, the source
+    of its state, dies as it starts sending; the replacement gets the state from rank 3."""
+    steps = 60
+    job = start(train_worker, 4, coordinator.address,
+                {"steps": steps, "interval": 0.01, "finishers": 2, "die": {"0": {"op": "send", "after_step": 1}}})
+    joiner = None
+    try:
+        wait_progress(job, 3, 10)
+        job.signal(1, signal.SIGKILL)
+        time.sleep(0.03)
+        job.signal(2, signal.SIGKILL)
+        wait_progress(job, 3, 20)
+        joiner = start(train_worker, 1, coordinator.address, {"steps": steps, "finishers": 2}, store=job.store)
+        results = {3: job.collect([3], timeout=120)[3], 4: joiner.collect(timeout=60)[0]}
+    finally:
+        job.close()
+        if joiner is not None:
+            joiner.close()
+    assert job.procs[0].exitcode == -signal.SIGKILL, "rank 0 should have died sending the state"
+    pids = [r["pid"] for r in results.values()] + [job.pid(r) for r in range(3)]
+    assert check_invariant(job.store, pids, steps) >= steps - 1
+    assert len({r["final"] for r in results.values()}) == 1
+    recovered = [e[2] for e in results[4]["events"] if e[1] == "recovered"]
+    assert recovered and recovered[-1]["step"] >= 20, recovered

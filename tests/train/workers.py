@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -30,6 +31,25 @@ def batch_for(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Ten
     return x[rank::world], y[rank::world]
 
 
+def _suicide_hook(manager: Any, die: dict[str, Any]) -> Any:
+    """A pre-hook that SIGKILLs this process as it issues a given op (a fault at an exact point):
+    ``{"op": "send"}`` (sending state to a joiner) or ``{"op": "vote"}`` (the commit vote),
+    once ``manager.step >= die["after_step"]``."""
+
+    def hook(args: Any) -> None:
+        if manager.step < die["after_step"]:
+            return
+        name = str(args.name).lower().replace("_", "")
+        tensors = args.input_tensors
+        if die["op"] == "send" and name.endswith("send"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if (die["op"] == "vote" and name.endswith("allreduce") and tensors
+                and tensors[0].dtype == torch.int64 and tensors[0].numel() == 2):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
 def train_worker(rank: int, world: int, port: int, coordinator: str, opts: dict[str, Any]) -> dict[str, Any]:
     from ftc10d.train import ManagedOptimizer, Manager, init_from_env
 
@@ -47,6 +67,9 @@ def train_worker(rank: int, world: int, port: int, coordinator: str, opts: dict[
     events: list[list[Any]] = []
     manager.add_listener(lambda kind, info: events.append([time.time(), kind, info]))
     ddp = manager.ddp(model)
+    die = opts.get("die", {}).get(str(rank))
+    if die:
+        pg.register_pre_hook(7, _suicide_hook(manager, die))
     opt = ManagedOptimizer(manager, optim)
     steps, aborted = opts["steps"], 0
     while manager.step < steps:
