@@ -27,27 +27,28 @@ def batch_for(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Ten
     return x[rank::world], y[rank::world]
 
 
-def _suicide_hook(manager: Any, die: dict[str, Any]) -> Any:
+def _suicide_hook(manager: Any, die: dict[str, Any], claim: Callable[[str], bool]) -> Any:
     """A pre-hook that SIGKILLs this process as it issues a given op (a fault at an exact point):
     ``{"op": "send"}`` (sending state to a joiner) or ``{"op": "vote"}`` (the commit vote),
-    once ``manager.step >= die["after_step"]``."""
+    once ``manager.step >= die["after_step"]``; with ``"once"``, only the first process of
+    the job to get there dies (``claim`` decides, through the test's store)."""
 
     def hook(args: Any) -> None:
         if manager.step < die["after_step"]:
             return
         name = str(args.name).lower().replace("_", "")
         tensors = args.input_tensors
-        if die["op"] == "send" and name.endswith("send"):
-            os.kill(os.getpid(), signal.SIGKILL)
-        if (die["op"] == "vote" and name.endswith("allreduce") and tensors
-                and tensors[0].dtype == torch.int64 and tensors[0].numel() == 2):
+        hit = (die["op"] == "send" and name.endswith("send")) or (
+            die["op"] == "vote" and name.endswith("allreduce") and bool(tensors)
+            and tensors[0].dtype == torch.int64 and tensors[0].numel() == 2)
+        if hit and (not die.get("once") or claim(f"die/{die['op']}")):
             os.kill(os.getpid(), signal.SIGKILL)
 
     return hook
 
 
 def train_loop(pg: Any, member: Any, opts: dict[str, Any], publish: Callable[[str, str], None],
-               rank: int) -> dict[str, Any]:
+               rank: int, claim: Callable[[str], bool] = lambda key: True) -> dict[str, Any]:
     """Train to ``opts["steps"]`` committed steps; returns what the tests check."""
     from ftc10d.train import ManagedOptimizer, Manager
 
@@ -60,7 +61,7 @@ def train_loop(pg: Any, member: Any, opts: dict[str, Any], publish: Callable[[st
     ddp = manager.ddp(model)
     die = opts.get("die", {}).get(str(rank))
     if die:
-        pg.register_pre_hook(7, _suicide_hook(manager, die))
+        pg.register_pre_hook(7, _suicide_hook(manager, die, claim))
     opt = ManagedOptimizer(manager, optim)
     steps, aborted = opts["steps"], 0
     while manager.step < steps:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ftc10d.train.state import Packed, pack, unpack
+from ftc10d.train.state import DIRECT_BYTES, StateFormatError, as_bytes, layout, segments, skeleton_sizes, unpack
 
 logger = logging.getLogger("ftc10d")
 
@@ -66,52 +66,62 @@ def make_plan(pg: Any, step: int, synced: bool) -> Plan:
     return Plan(source, recipients, target, steps, flags)
 
 
-def _bcast(pg: Any, t: torch.Tensor, root: int) -> None:
-    opts = dist.BroadcastOptions()
-    opts.rootRank = root
-    pg.broadcast([t], opts).wait()
-
-
 def transfer(pg: Any, plan: Plan, get_state: Callable[[], Any]) -> tuple[Optional[Any], int, float]:
     """Run ``plan``: returns ``(state or None, bytes moved, seconds)`` on this rank.
 
-    The source packs ``get_state()`` (one copy into a flat buffer) and sends a
-    header (skeleton length, buffer length), the JSON skeleton and the buffer.
+    The source sends a header (skeleton length, buffer length), the JSON
+    skeleton, then the buffer as messages (:func:`ftc10d.train.state.segments`):
+    a big tensor goes straight from its own memory, small neighbours are copied
+    into one message. The receivers receive each message into its place in one
+    flat buffer, whose layout both sides derive from the skeleton; the state's
+    tensors are then views of that buffer. All messages are issued before any
+    is waited for, so they stream back to back.
     """
     me = pg.rank()
     t0 = time.perf_counter()
-    if not plan.needed or (me != plan.source and me not in plan.recipients and len(plan.recipients) == 1):
+    p2p = len(plan.recipients) == 1
+    if not plan.needed or (p2p and me not in (plan.source, plan.recipients[0])):
         return None, 0, 0.0
-    packed: Optional[Packed] = None
+
+    def move(t: torch.Tensor, i: int) -> Any:
+        if p2p:
+            if me == plan.source:
+                return pg.send([t], plan.recipients[0], STATE_TAG + i)
+            return pg.recv([t], plan.source, STATE_TAG + i)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = plan.source
+        return pg.broadcast([t], opts)
+
     header = torch.zeros(2, dtype=torch.int64)
     if me == plan.source:
-        packed = pack(get_state())
-        skel = torch.frombuffer(bytearray(packed.skeleton.encode()), dtype=torch.uint8)
-        header[0], header[1] = skel.numel(), packed.buffer.numel()
-        parts = [header, skel, packed.buffer]
-        if len(plan.recipients) == 1:
-            dst = plan.recipients[0]
-            for p in parts:
-                pg.send([p], dst, STATE_TAG).wait()
-        else:
-            for p in parts:
-                _bcast(pg, p, plan.source)
-        nbytes = packed.nbytes
-        return None, nbytes, time.perf_counter() - t0
-    p2p = len(plan.recipients) == 1
-
-    def get(t: torch.Tensor) -> None:
-        if p2p:
-            pg.recv([t], plan.source, STATE_TAG).wait()
-        else:
-            _bcast(pg, t, plan.source)
-
-    get(header)
+        lay = layout(get_state())
+        skel = torch.frombuffer(bytearray(lay.skeleton.encode()), dtype=torch.uint8)
+        header[0], header[1] = skel.numel(), lay.total
+        works = [move(header, 0), move(skel, 1)]
+        sizes = [t.numel() * t.element_size() for t in lay.tensors]
+        for k, (start, end, idx) in enumerate(segments(sizes, lay.offsets)):
+            if len(idx) == 1 and sizes[idx[0]] >= DIRECT_BYTES and lay.tensors[idx[0]].is_contiguous():
+                msg = as_bytes(lay.tensors[idx[0]])
+            else:
+                msg = torch.zeros(end - start, dtype=torch.uint8)
+                for i in idx:
+                    o = lay.offsets[i] - start
+                    msg[o:o + sizes[i]].copy_(as_bytes(lay.tensors[i]))
+            works.append(move(msg, 2 + k))
+        for w in works:
+            w.wait()
+        return None, int(skel.numel()) + lay.total, time.perf_counter() - t0
+    move(header, 0).wait()
     skel = torch.empty(int(header[0]), dtype=torch.uint8)
-    buffer = torch.empty(int(header[1]), dtype=torch.uint8)
-    get(skel)
-    get(buffer)
+    move(skel, 1).wait()
+    skeleton = bytes(skel.numpy()).decode()
+    sizes, offsets, total = skeleton_sizes(skeleton)
+    if total != int(header[1]) or any(o < 0 or o + n > total for o, n in zip(offsets, sizes)):
+        raise StateFormatError("the state skeleton does not fit the announced buffer; is the source's ftc10d the same?")
+    buffer = torch.empty(total, dtype=torch.uint8)
+    works = [move(buffer[start:end], 2 + k) for k, (start, end, _) in enumerate(segments(sizes, offsets))]
+    for w in works:
+        w.wait()
     if me not in plan.recipients:
         return None, 0, time.perf_counter() - t0
-    state = unpack(bytes(skel.numpy()).decode(), buffer)
-    return state, int(skel.numel() + buffer.numel()), time.perf_counter() - t0
+    return unpack(skeleton, buffer), int(skel.numel()) + total, time.perf_counter() - t0

@@ -78,24 +78,101 @@ def _encode(obj: Any, tensors: list[torch.Tensor], path: str) -> Any:
     )
 
 
-def pack(state: Any) -> Packed:
-    """Flatten ``state`` into a skeleton and one aligned byte buffer (one copy of each tensor)."""
+@dataclass
+class Layout:
+    """Where each tensor of a state goes in the flat buffer (computed without copying)."""
+
+    skeleton: str
+    tensors: list[torch.Tensor]
+    offsets: list[int]
+    total: int
+
+
+def layout(state: Any) -> Layout:
     tensors: list[torch.Tensor] = []
     tree = _encode(state, tensors, "state")
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
         total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    buffer = torch.empty(total, dtype=torch.uint8)
-    for i, (t, off) in enumerate(zip(tensors, offsets)):
-        n = t.numel() * t.element_size()
-        if n:
-            buffer[off:off + n].copy_(t.detach().reshape(-1).view(torch.uint8))
-        end = offsets[i + 1] if i + 1 < len(offsets) else total
-        buffer[off + n:end].zero_()  # padding: deterministic bytes, so equal states hash equal
     skeleton = json.dumps({"format": FORMAT, "tree": tree, "offsets": offsets, "nbytes": total},
                           separators=(",", ":"))
-    return Packed(skeleton, buffer)
+    return Layout(skeleton, tensors, offsets, total)
+
+
+def pack(state: Any) -> Packed:
+    """Flatten ``state`` into a skeleton and one aligned byte buffer (one copy of each tensor)."""
+    lay = layout(state)
+    buffer = torch.empty(lay.total, dtype=torch.uint8)
+    for i, (t, off) in enumerate(zip(lay.tensors, lay.offsets)):
+        n = t.numel() * t.element_size()
+        if n:
+            buffer[off:off + n].copy_(as_bytes(t))
+        end = lay.offsets[i + 1] if i + 1 < len(lay.offsets) else lay.total
+        buffer[off + n:end].zero_()  # padding: deterministic bytes, so equal states hash equal
+    return Packed(lay.skeleton, buffer)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 tensor (a view when ``t`` is contiguous)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+#: Tensors at least this big travel as messages of their own, straight from their memory;
+#: smaller neighbours are copied together into one message.
+DIRECT_BYTES = 256 * 1024
+
+
+def segments(sizes: list[int], offsets: list[int]) -> list[tuple[int, int, list[int]]]:
+    """Split the buffer into messages: ``(start, end, tensor indices)``. Both ends compute
+    the same split from the skeleton alone (tensor byte sizes and offsets)."""
+    out: list[tuple[int, int, list[int]]] = []
+    run: list[int] = []
+
+    def flush() -> None:
+        if run:
+            out.append((offsets[run[0]], offsets[run[-1]] + sizes[run[-1]], list(run)))
+            run.clear()
+
+    for i, n in enumerate(sizes):
+        if n >= DIRECT_BYTES:
+            flush()
+            out.append((offsets[i], offsets[i] + n, [i]))
+        elif n:
+            run.append(i)
+    flush()
+    return out
+
+
+def skeleton_sizes(skeleton: str) -> tuple[list[int], list[int], int]:
+    """Byte size and offset of every tensor described by a (validated) skeleton, and the total."""
+    doc = _load_skeleton(skeleton)
+    specs: dict[int, tuple[str, list[int]]] = {}
+    _tensor_specs(doc["tree"], specs)
+    sizes = []
+    for i in range(len(doc["offsets"])):
+        if i not in specs:
+            raise StateFormatError(f"state skeleton lists offset {i} without a tensor")
+        name, shape = specs[i]
+        dtype = _DTYPES.get(name)
+        if dtype is None:
+            raise StateFormatError(f"state tensor {i} has unknown dtype {name!r}")
+        count = 1
+        for d in shape:
+            count *= d
+        sizes.append(count * torch.empty((), dtype=dtype).element_size())
+    return sizes, [int(o) for o in doc["offsets"]], int(doc["nbytes"])
+
+
+def _load_skeleton(skeleton: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(skeleton)
+    except ValueError as exc:
+        raise StateFormatError(f"state skeleton is not JSON: {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise StateFormatError(f"state skeleton has format {doc.get('format') if isinstance(doc, dict) else None!r},"
+                               f" expected {FORMAT!r} (a peer running another ftc10d version?)")
+    return doc
 
 
 def _decode(node: Any, views: list[torch.Tensor]) -> Any:
@@ -125,13 +202,7 @@ def _tensor_specs(node: Any, out: dict[int, tuple[str, list[int]]]) -> None:
 
 def unpack(skeleton: str, buffer: torch.Tensor) -> Any:
     """The state dict described by ``skeleton``; its tensors are views of ``buffer``."""
-    try:
-        doc = json.loads(skeleton)
-    except ValueError as exc:
-        raise StateFormatError(f"state skeleton is not JSON: {exc}") from exc
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise StateFormatError(f"state skeleton has format {doc.get('format') if isinstance(doc, dict) else None!r},"
-                               f" expected {FORMAT!r} (a peer running another ftc10d version?)")
+    doc = _load_skeleton(skeleton)
     if int(doc["nbytes"]) != buffer.numel():
         raise StateFormatError(f"state buffer has {buffer.numel()} bytes, the skeleton describes {doc['nbytes']}")
     specs: dict[int, tuple[str, list[int]]] = {}

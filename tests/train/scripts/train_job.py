@@ -27,7 +27,8 @@ def main() -> int:
     host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
     control = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
     pg, member = init_from_env()
-    out = train_loop(pg, member, opts, lambda k, v: control.set(f"test/{k}", v), int(os.environ["RANK"]))
+    out = train_loop(pg, member, opts, lambda k, v: control.set(f"test/{k}", v), int(os.environ["RANK"]),
+                     lambda key: control.add(f"test/{key}", 1) == 1)
     manager = out.pop("manager")
     control.set(f"test/result/{os.getpid()}", json.dumps(out))
     control.add("test/finished", 1)
