@@ -35,7 +35,7 @@ def plot_timeline(out_dir: Path, report: dict[str, Any], path: Path | None = Non
         ax2.set_ylabel("members")
         ax2.set_ylim(0, max(my) + 1)
     labelled: set[str] = set()
-    for f in report.get("faults", []):
+    for i, f in enumerate(report.get("faults", [])):
         c = COLORS.get(f["kind"], "tab:purple")
         a = f["t_fault"] - t0
         lab = None if f["kind"] in labelled else f"{f['kind']}"
@@ -47,7 +47,7 @@ def plot_timeline(out_dir: Path, report: dict[str, Any], path: Path | None = Non
             stall = f.get("stall_s")
             ax.annotate(f"{f['kind']} slot {f['rank']}\nstall {stall * 1000:.0f} ms" if stall is not None
                         else f"{f['kind']} slot {f['rank']}",
-                        xy=(b, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -4),
+                        xy=(b, 1.0 - 0.12 * (i % 3)), xycoords=("data", "axes fraction"), xytext=(3, -4),
                         textcoords="offset points", fontsize=7, color=c, va="top")
         if f.get("t_resumed"):
             ax.axvline(f["t_resumed"] - t0, color=c, ls=":", lw=1)
@@ -56,7 +56,7 @@ def plot_timeline(out_dir: Path, report: dict[str, Any], path: Path | None = Non
     ident = "yes" if report.get("replicas_identical") else "NO"
     ax.set_title(f"ftc10d demo: {report.get('world_size')} workers, {report.get('steps_committed')} steps, "
                  f"replicas identical: {ident}", fontsize=10)
-    ax.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
