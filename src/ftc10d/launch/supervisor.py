@@ -310,8 +310,9 @@ class Launcher:
                            exc_info=True)
             return
         epoch = None if out.config is None else out.config.epoch
-        if out.blocked:
-            logger.warning("launcher: exit of worker %d reported, but: %s", proc.pid, out.blocked)
+        if out.blocked:  # expected when the last members finish: nobody is left to form a configuration
+            logger.log(logging.INFO if proc.popen.returncode == 0 else logging.WARNING,
+                       "launcher: exit of worker %d reported, but: %s", proc.pid, out.blocked)
         self._emit("reported", proc.slot, proc.pid, epoch=epoch, changed=out.changed)
 
     # =================================================================== spawning
@@ -514,10 +515,11 @@ class Launcher:
         info = json.loads(line)
         proc.ready = True
         self._spare_failures = 0
+        ready_s = time.monotonic() - proc.started  # from spawn: interpreter start and imports
         if info.get("skipped"):
             logger.info("launcher: spare %d could not pre-import %s", proc.pid, ", ".join(info["skipped"]))
-        logger.info("launcher: spare %d ready (imports took %.2f s)", proc.pid, info["ready_s"])
-        self._emit("spare_ready", None, proc.pid, ready_s=info["ready_s"])
+        logger.info("launcher: spare %d ready %.2f s after its start", proc.pid, ready_s)
+        self._emit("spare_ready", None, proc.pid, ready_s=ready_s)
 
     def _on_exit(self, proc: _Proc, rc: int) -> None:
         if proc.slot is None:  # a spare
