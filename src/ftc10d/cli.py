@@ -130,6 +130,31 @@ def example(args: argparse.Namespace) -> int:
 
 
 @subcommand(
+    "bench",
+    "measure a scenario; 'recovery': the demo's job vs plain DDP (per-step cost) and vs a torchrun restart",
+    arg("name", choices=["recovery"], help="which benchmark"),
+    arg("--json", dest="as_json", action="store_true", help="print the results as JSON"),
+    arg("--out", default="bench-out", metavar="DIR", help="where the runs' files go (default: bench-out)"),
+    arg("--steps", type=int, default=300, metavar="N", help="steps per overhead run (default: 300)"),
+    arg("--rounds", type=int, default=2, metavar="N",
+        help="interleaved plain/ftc10d rounds for the overhead (default: 2)"),
+)
+def bench(args: argparse.Namespace) -> int:
+    """recovery: (a) the demo's job with plain torch DDP (gloo, under torchrun) and through
+    ftc10d, no faults, interleaved: median step time and their ratio; (b) a SIGKILL of one
+    worker: ftc10d's survivors' first commit, stall and warm replacement (and a freeze),
+    vs torchrun --max-restarts 1 (time from the kill to the first step after the restart).
+    Takes a few minutes on 2 cores."""
+    if args.steps < 100:
+        args.parser.error("--steps must be at least 100 (the first 30 are warm-up)")
+    if args.rounds < 1:
+        args.parser.error("--rounds must be at least 1")
+    from ftc10d.demo import bench as demo_bench
+
+    return demo_bench.main(out=args.out, as_json=args.as_json, steps=args.steps, rounds=args.rounds)
+
+
+@subcommand(
     "coordinator",
     "host the membership store (a TCPStore) and detect lapsed heartbeats",
     arg("--port", type=int, default=29400, metavar="N", help="TCP port to listen on (default: 29400; 0 picks one)"),

@@ -21,6 +21,17 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+# Imported at the top so that a warm spare (ftc10d.launch.spare imports a script's top-level
+# imports before it is needed) pays for them: torch._dynamo is what the first optimizer
+# constructed imports (~2 s on a busy 2-core machine), torch.nn.parallel is DDP.
+import torch
+import torch._dynamo  # noqa: F401
+import torch.distributed as dist
+import torch.nn.parallel  # noqa: F401
+
+from ftc10d.demo.model import batch_for, loss_fn, make_student, make_teacher
+from ftc10d.train import ManagedOptimizer, Manager, init_from_env
+
 
 class EventLog:
     """One JSONL file per process; ``emit`` writes a line and flushes it."""
@@ -41,13 +52,8 @@ class EventLog:
 
 
 def warm_up() -> None:
-    """Pay torch's lazy first-use costs now (the first optimizer constructed imports
-    torch._dynamo: about 2 s on a busy 2-core machine), before this process is admitted,
-    so that a replacement is ready to train the moment it joins. A warm spare calls it
-    while it waits for a slot."""
-    import torch
-    import torch.nn.parallel  # noqa: F401  (DDP)
-
+    """Pay torch's remaining first-use costs before this process is admitted, so that a
+    replacement is ready to train the moment it joins."""
     torch.set_num_threads(1)
     p = torch.nn.Parameter(torch.zeros(8))
     opt = torch.optim.Adam([p])
@@ -68,9 +74,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-
     torch.set_num_threads(1)
     slot = int(os.environ.get("RANK", "0"))
     restart = int(os.environ.get("FTC10D_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
@@ -82,12 +85,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> int:
-    import torch
-    import torch.distributed as dist
-
-    from ftc10d.demo.model import batch_for, loss_fn, make_student, make_teacher
-    from ftc10d.train import ManagedOptimizer, Manager, init_from_env
-
     # Everything that does not need the group comes before joining: once admitted, the others
     # wait for this process at the next rendezvous.
     warm_up()
@@ -146,11 +143,6 @@ def _exit(log: EventLog, manager: Any) -> int:
 
 def _plain(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> int:
     """The same job with torch's own DDP and a plain Gloo group (no fault tolerance): the bench baseline."""
-    import torch
-    import torch.distributed as dist
-
-    from ftc10d.demo.model import batch_for, loss_fn, make_student, make_teacher
-
     warm_up()
     teacher = make_teacher()
     model = make_student(seed=0)
