@@ -120,7 +120,8 @@ def torchrun_restart(out: Path, world: int, steps: int, kill_at: int, timeout: f
     if t_kill is None:
         raise RuntimeError(f"torchrun run ended before step {kill_at}; see {out}/torchrun.log")
     events = load_events(out)
-    after = [e for e in events if e["t"] > t_kill]
+    restarted = {e["pid"] for e in events if e["kind"] == "start" and e.get("restart", 0) >= 1}
+    after = [e for e in events if e["pid"] in restarted]
     starts = [e["t"] for e in after if e["kind"] == "start"]
     admitted = [e["t"] for e in after if e["kind"] == "admitted"]
     first = [e["t"] for e in after if e["kind"] == "step" and e.get("ok")]

@@ -116,7 +116,7 @@ def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) ->
         loss.backward()
         ok = opt.step()
         t2 = time.time()
-        log.emit("step", step=manager.step, ok=ok, loss=float(loss), t0=t0, t_start=t1 - t0, dt=t2 - t0,
+        log.emit("step", step=manager.step, ok=ok, loss=float(loss.detach()), t0=t0, t_start=t1 - t0, dt=t2 - t0,
                  epoch=manager.epoch, rank=manager.rank, world_size=manager.world_size)
         if ok and (manager.step % args.fp_every == 0 or manager.step == args.steps):
             log.emit("fingerprint", step=manager.step, fp=manager.fingerprint())
@@ -148,8 +148,15 @@ def _plain(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> 
     model = make_student(seed=0)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     log.emit("ready")
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    # torch 2.13's torchrun keeps one agent store across restarts, and a restarted group found
+    # the previous attempt's Gloo addresses there ("connectFullMesh failed ... Connection
+    # refused"): so the group's keys are namespaced by the attempt.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"ftc10d-demo/attempt/{restart}", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
     log.emit("admitted", rank=rank, world_size=world, epoch=0)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     step = 0
@@ -162,7 +169,7 @@ def _plain(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> 
         opt.step()
         step += 1
         t2 = time.time()
-        log.emit("step", step=step, ok=True, loss=float(loss), t0=t0, t_start=0.0, dt=t2 - t0, epoch=0,
+        log.emit("step", step=step, ok=True, loss=float(loss.detach()), t0=t0, t_start=0.0, dt=t2 - t0, epoch=0,
                  rank=rank, world_size=world)
     dist.barrier()
     log.emit("exit", step=step)
