@@ -61,6 +61,7 @@ from ftc10d.types import (
     MembershipError,
     MembershipTimeoutError,
     PeerFailureError,
+    ReconfigureAbandonedError,
     ReconfigureTimeoutError,
     StoreUnavailableError,
     UuidReusedError,
@@ -162,6 +163,8 @@ class Member:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._pgs: list[Any] = []
+        #: (group, configuration) while sync()/apply() waits in that configuration's rendezvous.
+        self._applying: Optional[tuple[Any, Configuration]] = None
         self._closed = False
 
     def _new_agreement(self, store: MembershipStore) -> Agreement:
@@ -377,6 +380,12 @@ class Member:
         """Abort attached groups whose live configuration lost a member (or all of them:
         ``cfg`` None, once fenced or when the store lost its state). Never called with
         the member's condition held."""
+        applying = self._applying
+        if applying is not None and (cfg is None or applying[1].epoch < cfg.epoch):
+            # sync() waits in the rendezvous of an older configuration, maybe for members that
+            # went straight to this one: give it up now rather than at its timeout.
+            logger.info("membership: %s gives up the rendezvous of %s", self.id, applying[1])
+            applying[0].abort()
         for pg in list(self._pgs):
             try:
                 gen = pg.generation
@@ -424,8 +433,18 @@ class Member:
             raise MembershipError(f"member {self.id} holds no configuration yet; wait_next() first")
         if pg.uuid == cfg.uuid:
             return cfg
-        ftc10d.reconfigure(cfg.uuid, list(cfg.handles), group=pg,
-                           timeout=None if timeout is None else timedelta(seconds=timeout))
+        with self._cv:
+            cur = self._current
+            if cur is not None and cur.incarnation == cfg.incarnation and cur.epoch > cfg.epoch:
+                raise ReconfigureAbandonedError(f"{cfg} was superseded by epoch {cur.epoch} before its rendezvous; "
+                                                "apply the newest configuration")
+            self._applying = (pg, cfg)
+        try:
+            ftc10d.reconfigure(cfg.uuid, list(cfg.handles), group=pg,
+                               timeout=None if timeout is None else timedelta(seconds=timeout))
+        finally:
+            with self._cv:
+                self._applying = None
         return cfg
 
     def sync(self, pg: Any, timeout: Optional[float] = None) -> Configuration:
@@ -462,6 +481,12 @@ class Member:
                     continue
             try:
                 return self.apply(pg, cfg, timeout=max(left(self.rendezvous_timeout) or 0.0, 0.001))
+            except ReconfigureAbandonedError as exc:
+                # A newer configuration superseded cfg (adopted here, or by a member that went
+                # straight to it and gave cfg's rendezvous up): it is in the store already.
+                logger.info("membership: %s gave up %s: %s", self.id, cfg, exc)
+                self._renew(cfg, f"the rendezvous of epoch {cfg.epoch} was given up")
+                self.wait_next(cfg.epoch, left())
             except (ReconfigureTimeoutError, UuidReusedError) as exc:
                 logger.warning("membership: %s could not connect %s (%s)", self.id, cfg, exc)
                 self._renew(cfg, f"the rendezvous of epoch {cfg.epoch} failed")

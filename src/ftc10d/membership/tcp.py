@@ -348,6 +348,10 @@ class ReconnectingTCPStore(dist.Store):
     def _connect(self) -> dist.TCPStore:
         return dist.TCPStore(self._host, self._port, is_master=False, wait_for_workers=False, timeout=self._timeout)
 
+    def clone(self) -> "ReconnectingTCPStore":
+        """A second connection to the same store (a thread blocked in ``wait`` holds this one)."""
+        return ReconnectingTCPStore(self._host, self._port, self._timeout)
+
     def _call(self, fn: Callable[[dist.TCPStore], T]) -> T:
         try:
             return self._call_once(fn)
