@@ -90,10 +90,13 @@ def test_frozen_member_is_fenced_and_rejoins_with_the_committed_state(coordinato
         job.signal(2, signal.SIGSTOP)
         frozen_at = progress(job.store, job.pid(2))
         wait_progress(job, 0, frozen_at + 10)  # the others went on without it
+        resumed = time.time()
         job.signal(2, signal.SIGCONT)
         results = job.collect(timeout=120)
     finally:
         job.close()
+    fenced = [e[0] for e in results[2]["events"] if e[1] == "fenced"]
+    assert fenced and fenced[0] - resumed < 10, "the resumed member must learn at once that it was removed"
     assert check_invariant(job.store, [r["pid"] for r in results.values()], steps) >= steps - 1
     assert len({r["final"] for r in results.values()}) == 1, "live replicas differ at the end"
     kinds = [e[1] for e in results[2]["events"]]
