@@ -58,6 +58,7 @@ from ftc10d.membership.store import MembershipStore
 from ftc10d.types import (
     ErrorType,
     Fenced,
+    InvalidOptionError,
     MembershipError,
     MembershipTimeoutError,
     PeerFailureError,
@@ -121,11 +122,11 @@ class Member:
         rendezvous_timeout: Optional[float] = None,
     ) -> None:
         if not isinstance(handle, str) or not handle:
-            raise ValueError(f"handle must be a non-empty str (pg.get_reconfigure_handle()), got {handle!r}")
+            raise InvalidOptionError(f"handle must be a non-empty str (pg.get_reconfigure_handle()), got {handle!r}")
         if heartbeat_timeout <= 0:
-            raise ValueError(f"heartbeat_timeout must be positive, got {heartbeat_timeout}")
+            raise InvalidOptionError(f"heartbeat_timeout must be positive, got {heartbeat_timeout}")
         if min_members < 1:
-            raise ValueError(f"min_members must be at least 1, got {min_members}")
+            raise InvalidOptionError(f"min_members must be at least 1, got {min_members}")
         self._settings: dict[str, Any] = dict(
             token=token, heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval,
             watch_interval=watch_interval, watchers=watchers, min_members=min_members, expected=expected,
