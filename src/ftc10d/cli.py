@@ -1,4 +1,4 @@
-"""The ``ftc10d`` command line: ``ftc10d demo | coordinator | version`` (launch, trace
+"""The ``ftc10d`` command line: ``ftc10d demo | launch | coordinator | version`` (trace
 and bench come with their layers).
 
 Each subcommand is one function decorated with :func:`subcommand`, which
@@ -130,6 +130,68 @@ def coordinator(args: argparse.Namespace) -> int:
             last = cfg
     co.close()
     return 0
+
+
+@subcommand(
+    "launch",
+    "run a training script on N workers; replace only a worker that dies, from warm spares",
+    arg("--nproc-per-node", type=int, default=1, metavar="N", help="workers on this node (default: 1)"),
+    arg("--spares", type=int, default=0, metavar="K",
+        help="warm spares kept ready (torch and the script's imports done) to replace a dead worker (default: 0)"),
+    arg("--max-restarts", type=int, default=3, metavar="R",
+        help="respawns per slot before the slot is given up (default: 3)"),
+    arg("--coordinator", default=None, metavar="HOST:PORT",
+        help="use this membership coordinator (another node's launcher, or `ftc10d coordinator`) "
+             "instead of hosting one here"),
+    arg("--host", default="127.0.0.1", metavar="ADDR",
+        help="bind address of the embedded coordinator (default: 127.0.0.1; 0.0.0.0 for multi-node)"),
+    arg("--port", type=int, default=0, metavar="N", help="port of the embedded coordinator (default: 0, a free one)"),
+    arg("--nnodes", type=int, default=1, metavar="N", help="nodes of the job, one launcher each (default: 1)"),
+    arg("--node-rank", type=int, default=0, metavar="I", help="this node's index in [0, nnodes) (default: 0)"),
+    arg("--heartbeat-timeout", type=float, default=1.0, metavar="SECONDS",
+        help="a member whose heartbeat is silent this long is removed (default: 1)"),
+    arg("--min-members", type=int, default=None, metavar="M",
+        help="never form a configuration smaller than this (default: 1)"),
+    arg("--log-dir", default=None, metavar="DIR",
+        help="write each worker's stdout/stderr to DIR/worker<slot>.<restart>.out|.err (default: inherit)"),
+    arg("script", help="the training script (a Python file); it calls ftc10d.train.init_from_env()"),
+    arg("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script"),
+)
+def launch(args: argparse.Namespace) -> int:
+    """Like torchrun, but a worker that dies is replaced alone: the launcher sees the
+    exit within milliseconds (pidfd), reports it to the membership at once, and
+    respawns that slot only (from a warm spare with --spares), while the survivors
+    reconfigure in place and the replacement receives its state from a live peer.
+    Hosts the membership coordinator unless --coordinator is given. SIGINT/SIGTERM
+    are forwarded to the workers (SIGKILL after a grace period). Exit code 0 when
+    every worker exited 0."""
+    from ftc10d.launch import LaunchConfig, run
+    from ftc10d.types import InvalidOptionError
+
+    config = LaunchConfig(
+        script=args.script, script_args=list(args.script_args), nproc_per_node=args.nproc_per_node,
+        spares=args.spares, max_restarts=args.max_restarts, coordinator=args.coordinator, host=args.host,
+        port=args.port, nnodes=args.nnodes, node_rank=args.node_rank, heartbeat_timeout=args.heartbeat_timeout,
+        min_members=args.min_members, log_dir=args.log_dir,
+    )
+    try:
+        config.validate()
+    except InvalidOptionError as exc:
+        args.parser.error(str(exc))
+
+    def show(event: Any) -> None:
+        where = "" if event.slot is None else f" slot {event.slot}"
+        pid = "" if event.pid is None else f" pid {event.pid}"
+        detail = " ".join(f"{k}={v}" for k, v in event.detail.items())
+        print(f"ftc10d launch: {event.kind}{where}{pid} {detail}".rstrip(), file=sys.stderr, flush=True)
+
+    code = run(config, on_event=show)
+    if code == 0:
+        print("ftc10d launch: every worker exited 0", file=sys.stderr, flush=True)
+    else:
+        print(f"ftc10d launch: the job failed (exit code {code}); see the log lines above", file=sys.stderr,
+              flush=True)
+    return code
 
 
 @subcommand("version", "print the versions of ftc10d, torch and Python, and what this torch supports natively")

@@ -1,0 +1,71 @@
+"""The environment a worker is started with: torchrun's variables plus ftc10d's.
+
+Kept apart from the supervisor so that a cold start (a fresh ``python script.py``)
+and a warm one (a spare told its environment through a pipe) get exactly the
+same variables. ``RANK`` is the slot's rank, a hint only: once the job runs,
+ranks follow membership order (``ftc10d.train.init_from_env``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+from ftc10d.launch.config import LaunchConfig
+from ftc10d.membership.records import TOKEN_ENV
+from ftc10d.train.bootstrap import COORDINATOR_ENV, HEARTBEAT_ENV, LAUNCH_ID_ENV, MIN_MEMBERS_ENV
+
+#: Restarts of the slot so far (torchrun's TORCHELASTIC_RESTART_COUNT, under our name too).
+RESTART_ENV = "FTC10D_RESTART_COUNT"
+
+#: Variables that depend on the slot (everything else is common to the node's workers and spares).
+SLOT_VARS = ("RANK", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT", RESTART_ENV)
+
+
+def base_env(config: LaunchConfig, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """What every process of this launcher gets, spares included: the launcher's own
+    environment, the config's extras, and the variables that do not depend on the slot.
+
+    Spares are started with this, so anything read at import time (``OMP_NUM_THREADS``,
+    ``TORCH_*``, ``FTC10D_FLIGHT_RECORDER``) already holds when the script is imported."""
+    env = dict(os.environ if environ is None else environ)
+    env.update(config.env)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def worker_env(
+    config: LaunchConfig,
+    *,
+    local_rank: int,
+    restart: int,
+    coordinator: str,
+    launch_id: str,
+    environ: Optional[Mapping[str, str]] = None,
+) -> dict[str, str]:
+    """The full environment of the worker of slot ``local_rank`` after ``restart`` restarts."""
+    host, _, port = coordinator.rpartition(":")
+    env = base_env(config, environ)
+    env.update({
+        "RANK": str(config.node_rank * config.nproc_per_node + local_rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(config.world_size),
+        "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
+        "GROUP_RANK": str(config.node_rank),
+        "NODE_RANK": str(config.node_rank),
+        "MASTER_ADDR": host.strip("[]"),
+        "MASTER_PORT": port,
+        "TORCHELASTIC_RESTART_COUNT": str(restart),
+        RESTART_ENV: str(restart),
+        COORDINATOR_ENV: coordinator,
+        LAUNCH_ID_ENV: launch_id,
+        HEARTBEAT_ENV: repr(float(config.heartbeat_timeout)),
+        MIN_MEMBERS_ENV: str(config.effective_min_members),
+    })
+    token = config.effective_token
+    if token:
+        env[TOKEN_ENV] = token
+    else:
+        env.pop(TOKEN_ENV, None)
+    return env

@@ -1,0 +1,105 @@
+"""Unit tests of the launcher's pure parts: option validation, worker environment, import scanning."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftc10d import InvalidOptionError
+from ftc10d.launch import LaunchConfig
+from ftc10d.launch.env import base_env, worker_env
+from ftc10d.launch.spare import scan_imports
+from ftc10d.train.bootstrap import WorkerEnv
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "record_env.py")
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"script": "/nonexistent/train.py"}, "does not exist"),
+    ({"nproc_per_node": 0}, "--nproc-per-node must be at least 1"),
+    ({"spares": -1}, "--spares must be 0 or more"),
+    ({"max_restarts": -2}, "--max-restarts must be 0 or more"),
+    ({"nnodes": 2, "node_rank": 2}, "--node-rank must be in [0, 2)"),
+    ({"nnodes": 2, "node_rank": 1}, "give --coordinator HOST:PORT"),
+    ({"coordinator": "nohost"}, "is not HOST:PORT"),
+    ({"coordinator": "h:99999"}, "is not HOST:PORT"),
+    ({"coordinator": "h:29400", "port": 5}, "--port only applies to the embedded coordinator"),
+    ({"port": 70000}, "--port must be in [0, 65535]"),
+    ({"heartbeat_timeout": 0.0}, "--heartbeat-timeout must be positive"),
+    ({"min_members": 3, "nproc_per_node": 2}, "--min-members must be in [1, 2]"),
+    ({"token": ""}, "token is empty"),
+    ({"env": {"A=B": "x"}}, "is not NAME=string"),
+])
+def test_validation_errors_say_what_to_do(changes: dict, words: str) -> None:
+    config = LaunchConfig(script=SCRIPT)
+    for k, v in changes.items():
+        setattr(config, k, v)
+    with pytest.raises(InvalidOptionError) as info:
+        config.validate()
+    assert words in str(info.value)
+
+
+def test_a_good_config_validates() -> None:
+    LaunchConfig(script=SCRIPT, nproc_per_node=4, spares=2, nnodes=2, node_rank=1, coordinator="10.0.0.1:29400",
+                 min_members=8).validate()
+
+
+def test_worker_env_is_torchrun_compatible_and_parsed_by_the_bootstrap() -> None:
+    config = LaunchConfig(script=SCRIPT, nproc_per_node=4, nnodes=2, node_rank=1, heartbeat_timeout=0.5,
+                          min_members=3, token="s3cret", env={"EXTRA": "1"})
+    env = worker_env(config, local_rank=2, restart=3, coordinator="10.1.2.3:29400", launch_id="abc",
+                     environ={"PATH": "/bin", "FTC10D_TOKEN": "other"})
+    expected = {
+        "RANK": "6", "LOCAL_RANK": "2", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+        "NODE_RANK": "1", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29400", "TORCHELASTIC_RESTART_COUNT": "3",
+        "FTC10D_RESTART_COUNT": "3", "FTC10D_COORDINATOR": "10.1.2.3:29400", "FTC10D_LAUNCH_ID": "abc",
+        "FTC10D_HEARTBEAT_TIMEOUT": "0.5", "FTC10D_MIN_MEMBERS": "3", "FTC10D_TOKEN": "s3cret", "EXTRA": "1",
+        "PATH": "/bin",
+    }
+    assert {k: env.get(k) for k in expected} == expected
+    parsed = WorkerEnv.from_environ(env)  # what init_from_env will make of it
+    assert (parsed.host, parsed.port, parsed.rank, parsed.world_size) == ("10.1.2.3", 29400, 6, 8)
+    assert (parsed.launch_id, parsed.heartbeat_timeout, parsed.min_members) == ("abc", 0.5, 3)
+
+
+def test_no_token_means_none_in_the_environment() -> None:
+    config = LaunchConfig(script=SCRIPT)
+    env = worker_env(config, local_rank=0, restart=0, coordinator="127.0.0.1:1", launch_id="x", environ={})
+    assert "FTC10D_TOKEN" not in env
+    assert "RANK" not in base_env(config, {}), "spares must not get slot variables before promotion"
+
+
+def test_scan_finds_top_level_imports_only_and_never_runs_the_script(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    script = tmp_path / "train.py"
+    script.write_text(
+        "from __future__ import annotations\n"
+        "import os, json as j\n"
+        "import torch.nn.functional as F\n"
+        "from collections import OrderedDict\n"
+        "from . import sibling\n"
+        "try:\n    import numpy\nexcept ImportError:\n    import array\n"
+        "if os.name:\n    import csv\n"
+        "def f():\n    import secret_inside_function\n"
+        "class C:\n    import inside_class\n"
+        f"open({str(marker)!r}, 'w').write('x')\n"
+    )
+    assert scan_imports(str(script)) == ["os", "json", "torch.nn.functional", "collections", "numpy", "array", "csv"]
+    assert not marker.exists()
+    bad = tmp_path / "bad.py"
+    bad.write_text("def (:\n")
+    assert scan_imports(str(bad)) == []
+    assert scan_imports(str(tmp_path / "missing.py")) == []
+
+
+def test_cli_rejects_bad_options_with_a_hint(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "ftc10d", "launch", "--nproc-per-node", "0", SCRIPT],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "--nproc-per-node must be at least 1" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "ftc10d", "launch", str(tmp_path / "nope.py")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "does not exist" in out.stderr

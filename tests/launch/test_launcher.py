@@ -1,0 +1,152 @@
+"""The launcher with real processes and real signals: exits, respawns, spares, shutdown,
+and the report of an exit to the membership."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from ftc10d.launch import LaunchConfig, LaunchEvent, Launcher
+from ftc10d.membership import Agreement, TCPMembershipStore
+from ftc10d.membership.records import Signer
+from ftc10d.train.bootstrap import handle_key
+from tests.launch.conftest import SCRIPTS, alive, child_env, records, wait_for
+
+RECORD = str(SCRIPTS / "record_env.py")
+
+
+def config(tmp_path: Path, *args: str, **kw: object) -> LaunchConfig:
+    kw.setdefault("env", {"PYTHONPATH": child_env()["PYTHONPATH"]})
+    return LaunchConfig(script=RECORD, script_args=[str(tmp_path), *args], **kw)  # type: ignore[arg-type]
+
+
+def kinds(events: list[LaunchEvent]) -> list[str]:
+    return [e.kind for e in events]
+
+
+def test_trivial_script_exits_0_and_the_launcher_returns_0(tmp_path: Path) -> None:
+    with Launcher(config(tmp_path, "--exit", "0", nproc_per_node=2)) as launcher:
+        assert launcher.wait(60) == 0
+        events = launcher.events
+    recs = records(tmp_path)
+    assert sorted(r["env"]["RANK"] for r in recs.values()) == ["0", "1"]
+    assert {r["env"]["FTC10D_LAUNCH_ID"] for r in recs.values()} == {launcher.launch_id}
+    assert kinds(events).count("exited") == 2 and events[-1].kind == "finished"
+    assert events[-1].detail == {"returncode": 0}
+
+
+def test_a_killed_worker_is_respawned_alone_in_its_slot(tmp_path: Path) -> None:
+    with Launcher(config(tmp_path, "--sleep", nproc_per_node=3, max_restarts=2)) as launcher:
+        wait_for(lambda: len(records(tmp_path)) == 3, 30, "3 workers")
+        before = launcher.pids()
+        victim = launcher.kill(1)
+        assert victim == before[1]
+        wait_for(lambda: len(records(tmp_path)) == 4, 30, "the replacement")
+        after = launcher.pids()
+        assert after[0] == before[0] and after[2] == before[2], "survivors must not be touched"
+        assert after[1] != victim
+        rec = records(tmp_path)[after[1]]
+        assert rec["env"]["RANK"] == "1" and rec["env"]["LOCAL_RANK"] == "1"
+        assert rec["env"]["FTC10D_RESTART_COUNT"] == "1" and rec["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
+        assert rec["preloaded"] is False  # no spares: a cold start
+        exited = [e for e in launcher.events if e.kind == "exited"]
+        assert exited[0].slot == 1 and exited[0].pid == victim and exited[0].detail["signal"] == "SIGKILL"
+        respawned = [e for e in launcher.events if e.kind == "respawned"]
+        assert [(e.slot, e.detail) for e in respawned] == [(1, {"warm": False, "restart": 1})]
+    assert not any(alive(p) for p in list(after.values()) + [victim])
+
+
+def test_max_restarts_exhausted_fails_the_job(tmp_path: Path) -> None:
+    with Launcher(config(tmp_path, "--exit", "3", nproc_per_node=1, max_restarts=2)) as launcher:
+        assert launcher.wait(60) != 0
+        events = launcher.events
+    assert kinds(events).count("respawned") == 2
+    assert kinds(events).count("gave_up") == 1
+    assert len(records(tmp_path)) == 3
+
+
+def test_warm_spare_is_promoted_and_replaced(tmp_path: Path) -> None:
+    with Launcher(config(tmp_path, "--sleep", nproc_per_node=2, spares=1)) as launcher:
+        wait_for(lambda: len(records(tmp_path)) == 2, 30, "2 workers")
+        wait_for(lambda: "spare_ready" in kinds(launcher.events), 60, "the spare to be ready")
+        spare = launcher.spare_pids()[0]
+        launcher.kill(0)
+        wait_for(lambda: len(records(tmp_path)) == 3, 30, "the replacement")
+        assert launcher.pids()[0] == spare, "the spare became slot 0's worker"
+        rec = records(tmp_path)[spare]
+        assert rec["preloaded"] is True, "a promoted spare has torch imported before the script starts"
+        assert rec["env"]["RANK"] == "0" and rec["env"]["FTC10D_RESTART_COUNT"] == "1"
+        assert rec["argv"] == [str(tmp_path), "--sleep"]
+        respawned = [e for e in launcher.events if e.kind == "respawned"]
+        assert respawned[0].detail == {"warm": True, "restart": 1} and respawned[0].pid == spare
+        new = wait_for(lambda: [p for p in launcher.spare_pids() if p != spare], 10, "a new spare")
+        assert alive(new[0])
+        # the new spare has not started the script: still exactly 3 records
+        assert len(records(tmp_path)) == 3
+    assert not alive(new[0]) and not alive(spare)
+
+
+def test_sigterm_to_ftc10d_launch_leaves_no_process_behind(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "ftc10d", "launch", "--nproc-per-node", "2", "--spares", "1",
+                             RECORD, str(tmp_path), "--sleep"], env=child_env(), stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    try:
+        wait_for(lambda: len(records(tmp_path)) == 2, 60, "2 workers")
+        ready = wait_for(lambda: [ln for ln in lines if "spare_ready" in ln], 60, "the spare")
+        spare = int(ready[0].split(" pid ")[1].split()[0])
+        workers = list(records(tmp_path))
+        assert all(alive(p) for p in workers + [spare])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 128 + signal.SIGTERM
+        reader.join(5)
+        assert not [p for p in workers + [spare] if alive(p)], "orphans left behind"
+        assert any("the job failed" in ln for ln in lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigkill_of_the_launcher_takes_its_children_along(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "ftc10d", "launch", "--nproc-per-node", "2", RECORD,
+                             str(tmp_path), "--sleep"], env=child_env(), stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(records(tmp_path)) == 2, 60, "2 workers")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        wait_for(lambda: not any(alive(p) for p in records(tmp_path)), 10, "the workers to die with the launcher")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_the_exit_is_reported_to_the_membership(tmp_path: Path) -> None:
+    """Two idle members and a heartbeat timeout far away: neither a failed collective nor
+    the detector (a suspicion needs a majority: 1 of 2 is not) can remove the dead one;
+    only the launcher's confirmed report can."""
+    cfg = LaunchConfig(script=str(SCRIPTS / "member_idle.py"), nproc_per_node=2, max_restarts=0,
+                       heartbeat_timeout=30.0, env={"PYTHONPATH": child_env()["PYTHONPATH"]})
+    with Launcher(cfg) as launcher:
+        host, _, port = launcher.coordinator_address.rpartition(":")
+        agreement = Agreement(TCPMembershipStore(host, int(port)), Signer(None))
+        first = wait_for(lambda: (c := agreement.latest()) is not None and c.size == 2 and c, 60,
+                         "the first configuration of 2")
+        victim = launcher.pids()[1]
+        from torch.distributed import TCPStore
+
+        store = TCPStore(host, int(port), is_master=False)
+        handle = store.get(handle_key(launcher.launch_id, victim)).decode()
+        assert handle in first.handles
+        launcher.kill(1)
+        after = wait_for(lambda: (c := agreement.latest()) is not None and c.epoch > first.epoch and c, 20,
+                         "a configuration without the dead worker")
+        assert handle not in after.handles and after.size == 1
+        reported = wait_for(lambda: [e for e in launcher.events if e.kind == "reported"], 10, "the reported event")
+        assert reported[0].pid == victim and reported[0].detail["epoch"] == after.epoch
+        assert "gave_up" in kinds(launcher.events)
