@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ftc10d.membership import Agreement, Coordinator, Member, Signer, TCPMembershipStore
+from ftc10d.membership import Agreement, Coordinator, Member, Signer
 from ftc10d.membership.agreement import cfg_key, hb_key
 from tests import harness
 from tests.membership.conftest import etcd_spec, needs_etcd, same_config, states, tcp_spec, wait_states

@@ -231,7 +231,7 @@ def _invalidation(rank: int, world: int, port: int, transport: str) -> dict:
     try:
         pending.wait()
         out["pending"] = "completed"
-    except ftc10d.WindowInvalidError as e:
+    except ftc10d.WindowInvalidError:
         out["pending"] = ("WindowInvalidError", time.perf_counter() - t0)
     for name, fn in {
         "put": lambda: win.put(torch.ones(4), 0, 0, False),
