@@ -99,7 +99,8 @@ def test_freeze_fence_rejoin(spec: dict[str, Any]) -> None:
         time.sleep(0.3)
         job.signal(3, signal.SIGCONT)
         st = wait_states(job.store, [0, 1, 2, 3],
-                         lambda s: same_config(s, 4, not_uuid=shrunk) and s[3].get("fenced") == 1 and s[0]["uuid"] != before,
+                         lambda s: (same_config(s, 4, not_uuid=shrunk) and s[3].get("fenced") == 1
+                                    and s[0]["uuid"] != before),
                          60, "the frozen rank to be fenced, rejoin as a new member and be admitted")
         assert st[3]["member"] != frozen_member
         job.store.set("test/stop", "1")

@@ -292,7 +292,8 @@ class Member:
         cur = self._current
         if cur is None or self._closed:
             return
-        if self._suspect_self or time.monotonic() - max(self._last_beat_ok, self._verified_at) > self.heartbeat_timeout / 2:
+        if (self._suspect_self
+                or time.monotonic() - max(self._last_beat_ok, self._verified_at) > self.heartbeat_timeout / 2):
             self._verify(cur)
             if self._fenced is not None:
                 raise self._fenced
@@ -423,7 +424,8 @@ class Member:
             self._adopt(out.config)
         return out.config
 
-    def apply(self, pg: Any, config: Optional[Configuration] = None, *, timeout: Optional[float] = None) -> Configuration:
+    def apply(self, pg: Any, config: Optional[Configuration] = None, *,
+              timeout: Optional[float] = None) -> Configuration:
         """Reconfigure ``pg`` to ``config`` (default: the newest held): ``ftc10d.reconfigure``
         with its uuid and ordered handles. A no-op if ``pg`` is already on it."""
         import ftc10d
@@ -623,7 +625,8 @@ class Member:
     def _healthy(self, now: float) -> bool:
         """Whether our own heartbeats have flowed for a full timeout: only then do we judge
         others' silence (a store outage or our own freeze silences everyone alike)."""
-        return now - self._last_beat_ok < self.heartbeat_timeout / 2 and now - self._beat_gap_at > self.heartbeat_timeout
+        return (now - self._last_beat_ok < self.heartbeat_timeout / 2
+                and now - self._beat_gap_at > self.heartbeat_timeout)
 
     def _detect_loop(self) -> None:
         store = self._store.clone()

@@ -315,7 +315,8 @@ class Coordinator:
                     lapsed = detector.observe(ids, raws, time.monotonic())
                     if lapsed:
                         self.detections += 1
-                        out = agreement.propose({m: "heartbeat" for m in lapsed}, reason="coordinator: heartbeat lapsed")
+                        out = agreement.propose({m: "heartbeat" for m in lapsed},
+                                                reason="coordinator: heartbeat lapsed")
                         if out.blocked:
                             logger.warning("membership coordinator: %s", out.blocked)
                         cur = out.config

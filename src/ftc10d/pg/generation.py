@@ -52,7 +52,8 @@ KEY_ROOT = "ftc10d"
 #: How long an abort waits for the generation's ops to drain after its sockets are cut.
 #: They fail within milliseconds; the bound only guards against a backend bug.
 ABORT_DRAIN_TIMEOUT = timedelta(seconds=10)
-_PEER_ERROR_MARKERS = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "Read error", "Write error", "EOF")
+_PEER_ERROR_MARKERS = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused",
+                       "Read error", "Write error", "EOF")
 
 
 def is_communication_failure(exc: BaseException) -> bool:
