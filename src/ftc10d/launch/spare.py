@@ -18,21 +18,28 @@ Rules the launcher relies on:
   imported), so it never counts as a member before it is promoted;
 - EOF on the control pipe without a message means "not needed": exit 0.
 
-Run as ``python -m ftc10d.launch.spare --control-fd N --ready-fd M script.py``.
+Run as ``python -m ftc10d.launch.spare --control-fd N --ready-fd M script.py``. A cold
+worker runs this file by its path with ``--run script.py args...`` (by path, so that
+nothing is imported before the script: ``python -m`` would import ``ftc10d``, hence
+torch), so that warm and cold workers run and exit the same way (:func:`exit_now`).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import importlib
 import json
 import logging
 import os
 import runpy
+import signal
 import sys
+import threading
 import time
-from typing import Any, Optional
+import traceback
+from typing import Any, NoReturn, Optional
 
 logger = logging.getLogger("ftc10d")
 
@@ -111,34 +118,89 @@ def _redirect(path: Optional[str], target: int) -> None:
         os.close(fd)
 
 
-def promote(script: str, message: dict[str, Any]) -> None:
-    """Become the worker: environment, argv, output files, then run the script as ``__main__``."""
+def promote(script: str, message: dict[str, Any]) -> int:
+    """Become the worker: environment, output files, then run the script; returns its exit status."""
     os.environ.clear()
     os.environ.update(message["env"])
     sys.stdout.flush()
     sys.stderr.flush()
     _redirect(message.get("stdout"), 1)
     _redirect(message.get("stderr"), 2)
-    sys.argv = [script] + list(message.get("argv", []))
-    runpy.run_path(script, run_name="__main__")
+    return run_script(script, list(message.get("argv", [])))
+
+
+def run_script(script: str, args: list[str]) -> int:
+    """Run ``script`` as ``__main__`` like ``python script args`` would; returns the exit
+    status that python would have exited with (an uncaught exception prints its traceback: 1)."""
+    sys.argv = [script, *args]
+    sys.path[0:1] = [os.path.dirname(os.path.abspath(script))]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None:
+            return 0
+        if isinstance(exc.code, int):
+            return exc.code
+        print(exc.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return 128 + signal.SIGINT
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit like the interpreter would (non-daemon threads joined, ``atexit`` handlers run,
+    stdio flushed), but without tearing the interpreter down.
+
+    Why: on Python < 3.14 a daemon thread blocked in a torch C++ call that releases the
+    GIL (the membership watcher's server-side TCPStore wait, Gloo's threads) and returning
+    *during* finalization is killed by ``pthread_exit``, whose forced unwind through a
+    ``noexcept`` frame calls ``std::terminate``: "terminate called without an active
+    exception", SIGABRT. Workers finish together and each one's leave wakes the others'
+    waits, so without this a worker that finished training would often be seen dying
+    by SIGABRT, and be respawned. (The test harness exits its workers the same way.)"""
+    main = threading.main_thread()
+    for t in threading.enumerate():
+        if t is not main and t is not threading.current_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ftc10d.launch.spare", description=__doc__)
-    parser.add_argument("--control-fd", type=int, required=True, help="pipe the promotion message arrives on")
-    parser.add_argument("--ready-fd", type=int, required=True, help="pipe to announce readiness on")
+    parser.add_argument("--control-fd", type=int, help="spare: pipe the promotion message arrives on")
+    parser.add_argument("--ready-fd", type=int, help="spare: pipe to announce readiness on")
+    parser.add_argument("--run", action="store_true",
+                        help="no spare: run the script now (a cold start, with the same exit path as a warm one)")
     parser.add_argument("script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.run:
+        exit_now(run_script(args.script, args.script_args))
+    if args.control_fd is None or args.ready_fd is None:
+        parser.error("a spare needs --control-fd and --ready-fd (or --run to run the script now)")
     t0 = time.monotonic()
     imported, skipped = warm_up(args.script)
-    with os.fdopen(args.ready_fd, "wb", buffering=0) as ready:
-        ready.write(json.dumps({"ready_s": time.monotonic() - t0, "imported": len(imported),
-                                "skipped": skipped}).encode() + b"\n")
+    try:
+        os.write(args.ready_fd, json.dumps({"ready_s": time.monotonic() - t0, "imported": len(imported),
+                                            "skipped": skipped}).encode() + b"\n")
+    except BrokenPipeError:
+        pass  # promoted before it was ready: the launcher no longer listens
+    os.close(args.ready_fd)
     message = read_message(args.control_fd)
     if message is None:
         return 0
-    promote(args.script, message)
-    return 0
+    exit_now(promote(args.script, message))
 
 
 if __name__ == "__main__":

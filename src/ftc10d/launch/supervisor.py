@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
+from ftc10d.launch import spare as spare_mod
 from ftc10d.launch.config import LaunchConfig, parse_address
 from ftc10d.launch.env import base_env, worker_env
 from ftc10d.types import InvalidOptionError
@@ -234,6 +235,11 @@ class Launcher:
         assert self._result is not None
         return self._result
 
+    @property
+    def returncode(self) -> Optional[int]:
+        """The job's exit code once it ended (what :meth:`wait` returns), None while it runs."""
+        return self._result if self._done.is_set() else None
+
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Forward ``sig`` to every worker, SIGKILL those still there after ``grace``
         seconds; :meth:`wait` then returns 128+sig. Safe to call from a signal handler."""
@@ -359,7 +365,7 @@ class Launcher:
             proc = spare
             proc.slot, proc.restart, proc.warm, proc.started = slot.index, slot.restarts, True, time.monotonic()
         else:
-            popen, files = self._popen([cfg.python, cfg.script, *cfg.script_args], env,
+            popen, files = self._popen([cfg.python, spare_mod.__file__, "--run", cfg.script, *cfg.script_args], env,
                                        f"worker{slot.index}.{slot.restarts}")
             proc = _Proc(popen, _pidfd(popen.pid), slot.index, slot.restarts, files=files)
         with self._lock:
