@@ -29,6 +29,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -130,15 +131,29 @@ def main() -> int:
     manager = Manager(pg, member, sync_timeout=120.0)
     log.emit("admitted", member=member.id, epoch=manager.epoch, rank=manager.rank, world_size=manager.world_size)
 
+    back = threading.Event()
+    back.set()
+
+    def watch_finish() -> None:
+        """Once fenced, this worker rejoins; if the others finish the job before it is back in a
+        configuration, there is nothing left to rejoin (no configuration will form again): leave."""
+        store = _control_store()  # a connection of its own: TCPStore clients are not thread-safe
+        while not back.is_set():
+            if _finished(store, finished):
+                log.emit("left", reason="fenced, and the job finished while it was out", step=manager.step)
+                _exit(log)
+            time.sleep(0.1)
+
     def on_event(kind: str, info: dict[str, Any]) -> None:
         extra: dict[str, Any] = {"member": manager.member.id, "epoch_now": manager.epoch}
         if kind == "recovered":
             extra["fp"] = manager.fingerprint()
         log.emit(kind, **info, **extra)
-        if kind == "fenced" and _finished(control, finished):
-            # Removed while frozen or cut off, and the others finished meanwhile: nothing to rejoin.
-            log.emit("left", reason="fenced after the job finished", step=manager.step)
-            _exit(log)
+        if kind == "fenced" and back.is_set():
+            back.clear()
+            threading.Thread(target=watch_finish, name="chaos-finish-watch", daemon=True).start()
+        elif kind == "reconfigured":
+            back.set()
 
     manager.add_listener(on_event)
     ddp = manager.ddp(model)
