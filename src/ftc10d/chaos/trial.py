@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -270,7 +271,8 @@ class Trial:
     def run(self) -> TrialResult:
         spec = self.spec
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.events_dir.mkdir(exist_ok=True)
+        shutil.rmtree(self.events_dir, ignore_errors=True)  # events of an earlier run here would mix in
+        self.events_dir.mkdir()
         (self.folder / "spec.json").write_text(json.dumps(spec.to_json(), indent=1))
         shm_before = checks.shm_entries()
         sockets_before = checks.own_listening_sockets()
@@ -373,7 +375,7 @@ class Trial:
             violations.append(f"the coordinator's port {coordinator_port} is still listening")
         if checks.own_listening_sockets() > sockets_before:
             violations.append("the chaos runner holds more listening sockets than before the trial")
-        return TrialResult(spec, violations, injected, duration, rc, self.notes, str(self.folder))
+        return TrialResult(spec, checks.condense(violations), injected, duration, rc, self.notes, str(self.folder))
 
     def _read_chain(self) -> Optional[dict[int, list[str]]]:
         """epoch -> member ids of every configuration, from the coordinator (before it closes)."""
