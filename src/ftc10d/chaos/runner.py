@@ -68,7 +68,7 @@ def _print_result(k: int, n: int, r: TrialResult) -> None:
 
 
 def run(*, trials: int, seed: int, out: str, replay: Optional[str] = None, hosts: int = 1, world_size: int = 4,
-        steps: int = 60, heartbeat_timeout: float = 0.75, keep: bool = False, command: str = "") -> int:
+        steps: int = 150, heartbeat_timeout: float = 0.75, keep: bool = False, command: str = "") -> int:
     """Run the trials; returns 0 iff every trial survived."""
     out_dir = Path(out)
     (out_dir / "trials").mkdir(parents=True, exist_ok=True)

@@ -90,11 +90,11 @@ class TrialSpec:
     seed: int
     faults: list[Fault]
     world_size: int = 4
-    steps: int = 60
+    steps: int = 150
     heartbeat_timeout: float = 0.75
     hosts: int = 1
     spares: int = 1
-    interval: float = 0.02
+    interval: float = 0.03
     timeout: float = 150.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -175,7 +175,7 @@ def available_kinds(hosts: int, partition_ok: bool) -> tuple[str, ...]:
     return tuple(k for k in KINDS if k != "partition" or (hosts > 1 and partition_ok))
 
 
-def draw(seed: int, *, world_size: int = 4, steps: int = 60, heartbeat_timeout: float = 0.75, hosts: int = 1,
+def draw(seed: int, *, world_size: int = 4, steps: int = 150, heartbeat_timeout: float = 0.75, hosts: int = 1,
          kinds: Optional[tuple[str, ...]] = None, max_faults: int = 2, **spec_kwargs: Any) -> TrialSpec:
     """The trial of ``seed``: 1..``max_faults`` faults at steps far enough apart that the job
     recovers from one before the next (a ``double`` is the at-once case)."""

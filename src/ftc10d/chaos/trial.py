@@ -155,7 +155,7 @@ class Trial:
             cfg = LaunchConfig(
                 script=JOB, nproc_per_node=len(slots), spares=self.spec.spares if host == 0 else 0,
                 max_restarts=10, coordinator=address, host=self.net.ip_of(0) if self.spec.hosts > 1 else "127.0.0.1",
-                heartbeat_timeout=self.spec.heartbeat_timeout, min_members=2, env=env,
+                heartbeat_timeout=self.spec.heartbeat_timeout, min_members=min(2, len(slots)), env=env,
                 log_dir=str(self.folder / "logs" / f"host{host}"), python=self.net.python_for(host, self.folder),
             )
             launcher = Launcher(cfg, on_event=self._on_launch_event)
