@@ -138,6 +138,31 @@ def condense(problems: list[str], per_kind: int = 3) -> list[str]:
     return out
 
 
+def coverage(events: list[dict[str, Any]]) -> dict[str, int]:
+    """What the trial exercised (so a clean trial can be told from one where nothing happened):
+    states received, members fenced, fenced processes that committed again as a new member,
+    suicides in the vote or while sending state, steps not committed."""
+    out = {"recovered": 0, "fenced": 0, "rejoined_and_committed": 0, "suicides": 0, "aborted_steps": 0}
+    for evs in by_pid(events).values():
+        fenced = False
+        counted = False
+        for e in evs:
+            k = e["kind"]
+            if k == "recovered" and int(e.get("step", 0)) > 0:
+                out["recovered"] += 1
+            elif k == "fenced":
+                out["fenced"] += 1
+                fenced = True
+            elif k == "commit" and fenced and not counted:
+                out["rejoined_and_committed"] += 1
+                counted = True
+            elif k == "suicide":
+                out["suicides"] += 1
+            elif k == "aborted":
+                out["aborted_steps"] += 1
+    return out
+
+
 def _ranges(xs: list[int]) -> str:
     out, start = [], None
     for i, x in enumerate(xs):

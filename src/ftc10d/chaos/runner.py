@@ -48,6 +48,7 @@ def summarize(results: list[TrialResult], command: str) -> dict[str, Any]:
         "faults_by_kind": dict(sorted(by_kind.items())),
         "faults_skipped_by_kind": dict(sorted(skipped.items())),
         "worst_stall_s_by_kind": {k: (round(v, 3) if math.isfinite(v) else None) for k, v in sorted(worst.items())},
+        "coverage": dict(sum((Counter(r.coverage) for r in results), Counter())),
         "trial_seconds": [round(r.duration_s, 1) for r in results],
         "command": command,
     }
@@ -102,6 +103,7 @@ def run(*, trials: int, seed: int, out: str, replay: Optional[str] = None, hosts
     summary = summarize(results, command)
     print(f"ftc10d chaos: {summary['survived']}/{summary['trials']} trials survived in {time.time() - t0:.0f} s; "
           f"faults {summary['faults_by_kind']}; worst stall {summary['worst_stall_s_by_kind']}; "
+          f"exercised {summary['coverage']}; "
           f"summary {out_dir / 'summary.json'}", flush=True)
     return 0 if summary["survived"] == summary["trials"] else 1
 

@@ -66,6 +66,7 @@ class TrialResult:
     returncode: Optional[int]
     notes: list[str] = field(default_factory=list)
     folder: str = ""
+    coverage: dict[str, int] = field(default_factory=dict)
 
     @property
     def survived(self) -> bool:
@@ -75,7 +76,8 @@ class TrialResult:
         return {"seed": self.spec.seed, "schedule": self.spec.describe(), "spec": self.spec.to_json(),
                 "survived": self.survived, "violations": self.violations,
                 "faults": [i.to_json() for i in self.injected], "duration_s": round(self.duration_s, 3),
-                "returncode": self.returncode, "notes": self.notes, "folder": self.folder}
+                "returncode": self.returncode, "notes": self.notes, "folder": self.folder,
+                "coverage": self.coverage}
 
 
 class Tail:
@@ -375,7 +377,8 @@ class Trial:
             violations.append(f"the coordinator's port {coordinator_port} is still listening")
         if checks.own_listening_sockets() > sockets_before:
             violations.append("the chaos runner holds more listening sockets than before the trial")
-        return TrialResult(spec, checks.condense(violations), injected, duration, rc, self.notes, str(self.folder))
+        return TrialResult(spec, checks.condense(violations), injected, duration, rc, self.notes, str(self.folder),
+                           checks.coverage(events))
 
     def _read_chain(self) -> Optional[dict[int, list[str]]]:
         """epoch -> member ids of every configuration, from the coordinator (before it closes)."""
