@@ -90,7 +90,8 @@ class Job:
                 continue
             (self.results if status == "ok" else self.errors)[rank] = value
         if self.errors:
-            raise RuntimeError("worker(s) failed:\n" + "\n".join(f"[rank {r}] {e}" for r, e in sorted(self.errors.items())))
+            raise RuntimeError("worker(s) failed:\n"
+                               + "\n".join(f"[rank {r}] {e}" for r, e in sorted(self.errors.items())))
         return dict(sorted(self.results.items()))
 
     def close(self) -> None:

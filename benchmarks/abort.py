@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             lat = [cell(r["p50_ms"]) + f" ({r['returned']}/{r['n']} returned)", cell(r["p90_ms"]), cell(r["max_ms"])]
         verdict = "met" if r["returned"] == r["n"] and (r["max_ms"] or 1e9) <= TARGET_MS else (
-            "met (p50)" if r["p50_ms"] is not None and r["p50_ms"] <= TARGET_MS and r["returned"] == r["n"] else "MISSED")
+            "met (p50)" if r["p50_ms"] is not None and r["p50_ms"] <= TARGET_MS and r["returned"] == r["n"]
+            else "MISSED")
         ab = s["abort_returned"]
         rows.append([impl, f"{n_trials} x {len(survivors)}", *lat, cell(ab["p50_ms"]) if ab["returned"] else "-",
                      f"{s['raised']}/{r['n']}", f"<= {TARGET_MS:g} ms", verdict if impl == "ftc10d" else "-"])

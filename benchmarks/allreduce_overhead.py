@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{(local_med['ftc10d'] - local_med['raw_a']) * 1e6:+.1f} us"]],
     ))
     dump_json(args.json, {
-        "benchmark": "allreduce_overhead", "api": args.api, "machine": machine(), "ranks": args.ranks, "rounds": args.rounds,
+        "benchmark": "allreduce_overhead", "api": args.api, "machine": machine(),
+        "ranks": args.ranks, "rounds": args.rounds,
         "wall_s": wall, "sizes": {str(n): summary[n] for n in sizes},
         "local_world1_4KiB": {"median_s": local_med, "samples": local},
     })

@@ -93,7 +93,8 @@ def main() -> None:
         ["record() alone", "-", "-", f"{rc:.2f}", "-"],
         ["allreduce 4 KiB, 1 rank", f"{on1:.1f}", f"{off1:.1f}", f"{on1 - off1:+.2f}", f"{on1 / off1:.3f}x"],
         [f"allreduce 4 KiB, {a.ranks} ranks", f"{on4:.1f}", f"{off4:.1f}", f"{on4 - off4:+.2f}", f"{on4 / off4:.3f}x"],
-        [f"noise floor (two unrecorded groups), {a.ranks} ranks", f"{off4b:.1f}", f"{off4:.1f}", f"{off4b - off4:+.2f}", f"{off4b / off4:.3f}x"],
+        [f"noise floor (two unrecorded groups), {a.ranks} ranks", f"{off4b:.1f}", f"{off4:.1f}",
+         f"{off4b - off4:+.2f}", f"{off4b / off4:.3f}x"],
     ]
     print(C.table(["case", "recorded us/op", "unrecorded us/op", "added us/op", "ratio"], rows))
     print(f"ring entries held after {a.rounds * a.block * 3 + 6 * a.block} ops per rank: {int(ring)} "

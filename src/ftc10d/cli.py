@@ -1,4 +1,4 @@
-"""The ``ftc10d`` command line: ``ftc10d demo | launch | coordinator | version`` (trace
+"""The ``ftc10d`` command line: ``ftc10d demo | example | launch | bench | coordinator | version`` (trace
 and bench come with their layers).
 
 Each subcommand is one function decorated with :func:`subcommand`, which
@@ -48,7 +48,52 @@ def subcommand(name: str, help: str, *args: _Arg) -> Callable[[Handler], Handler
 
 @subcommand(
     "demo",
-    "kill a rank of a running job and watch the survivors reconfigure in place",
+    "train a small model on 4 workers through ftc10d while ranks are killed, frozen and replaced; live view",
+    arg("--out", default="demo-out", metavar="DIR",
+        help="where report.json, timeline.png and the event files go (default: demo-out)"),
+    arg("--world-size", type=int, default=4, metavar="N", help="number of workers (default: 4)"),
+    arg("--steps", type=int, default=300, metavar="N", help="training steps (default: 300)"),
+    arg("--faults", default="kill:1@40,freeze:2@120:2.5", metavar="SCHEDULE",
+        help="KIND:SLOT@STEP[:SECONDS], comma-separated; kinds: kill (SIGKILL; a warm spare replaces it), "
+             "freeze (SIGSTOP, SIGCONT after SECONDS, default 2.5); 'none' for no faults "
+             "(default: kill:1@40,freeze:2@120:2.5)"),
+    arg("--heartbeat-timeout", type=float, default=1.0, metavar="SECONDS",
+        help="a member whose heartbeat is silent this long is removed (default: 1)"),
+    arg("--spares", type=int, default=1, metavar="N", help="warm spares kept ready (default: 1)"),
+    arg("--timeout", type=float, default=180.0, metavar="SECONDS", help="bound of the whole run (default: 180)"),
+    arg("--no-live", dest="live", action="store_false", help="plain log lines instead of the live view"),
+)
+def demo(args: argparse.Namespace) -> int:
+    """Launch WORLD_SIZE workers (and warm spares) training a ~0.5 M-parameter MLP on
+    teacher data with DDP through ftc10d, inject the fault schedule, show progress
+    live, then print a summary (stall per fault, steps lost, replicas identical) and
+    write report.json and timeline.png into --out. Exits 0 only if the job completed
+    and every live replica ended bitwise-identical."""
+    if args.world_size < 2:
+        args.parser.error("--world-size must be at least 2")
+    if args.steps < 2:
+        args.parser.error("--steps must be at least 2")
+    if args.heartbeat_timeout <= 0:
+        args.parser.error("--heartbeat-timeout must be positive")
+    if args.spares < 0:
+        args.parser.error("--spares must be >= 0")
+    from ftc10d.demo.faults import FaultScheduleError, parse_schedule
+
+    try:
+        parse_schedule(args.faults, world_size=args.world_size, steps=args.steps)
+    except FaultScheduleError as exc:
+        args.parser.error(str(exc))
+    from ftc10d.demo import driver  # imports torch: only once the arguments are good
+
+    return driver.main(out=args.out, world_size=args.world_size, steps=args.steps, faults=args.faults,
+                       heartbeat_timeout=args.heartbeat_timeout, live=args.live, spares=args.spares,
+                       timeout=args.timeout)
+
+
+@subcommand(
+    "example",
+    "run a small example of one layer: 'reconfigure' kills a rank of a raw ftc10d group and reconfigures it",
+    arg("name", choices=["reconfigure"], help="which example"),
     arg("--world-size", type=int, default=4, metavar="N", help="number of ranks (default: 4)"),
     arg("--kill-rank", type=int, default=2, metavar="R", help="rank to SIGKILL (default: 2)"),
     arg("--steps", type=int, default=20, metavar="N",
@@ -58,8 +103,8 @@ def subcommand(name: str, help: str, *args: _Arg) -> Callable[[Handler], Handler
     arg("--no-live", dest="live", action="store_false",
         help="print the timeline once, sorted, at the end instead of as events arrive"),
 )
-def demo(args: argparse.Namespace) -> int:
-    """Host a TCPStore, start the ranks (each an ftc10d.ProcessGroup over Gloo)
+def example(args: argparse.Namespace) -> int:
+    """reconfigure: host a TCPStore, start the ranks (each an ftc10d.ProcessGroup over Gloo)
     allreducing in a loop, SIGKILL one of them, and show each survivor getting a
     typed PeerFailureError naming the dead rank, agreeing on the survivors,
     calling ftc10d.reconfigure with a fresh uuid and carrying on. Exits 0 only if
@@ -82,6 +127,31 @@ def demo(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         log_level=logging.INFO if args.verbose else None,
     )
+
+
+@subcommand(
+    "bench",
+    "measure a scenario; 'recovery': the demo's job vs plain DDP (per-step cost) and vs a torchrun restart",
+    arg("name", choices=["recovery"], help="which benchmark"),
+    arg("--json", dest="as_json", action="store_true", help="print the results as JSON"),
+    arg("--out", default="bench-out", metavar="DIR", help="where the runs' files go (default: bench-out)"),
+    arg("--steps", type=int, default=300, metavar="N", help="steps per overhead run (default: 300)"),
+    arg("--rounds", type=int, default=2, metavar="N",
+        help="interleaved plain/ftc10d rounds for the overhead (default: 2)"),
+)
+def bench(args: argparse.Namespace) -> int:
+    """recovery: (a) the demo's job with plain torch DDP (gloo, under torchrun) and through
+    ftc10d, no faults, interleaved: median step time and their ratio; (b) a SIGKILL of one
+    worker: ftc10d's survivors' first commit, stall and warm replacement (and a freeze),
+    vs torchrun --max-restarts 1 (time from the kill to the first step after the restart).
+    Takes a few minutes on 2 cores."""
+    if args.steps < 100:
+        args.parser.error("--steps must be at least 100 (the first 30 are warm-up)")
+    if args.rounds < 1:
+        args.parser.error("--rounds must be at least 1")
+    from ftc10d.demo import bench as demo_bench
+
+    return demo_bench.main(out=args.out, as_json=args.as_json, steps=args.steps, rounds=args.rounds)
 
 
 @subcommand(

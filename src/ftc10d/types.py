@@ -36,6 +36,7 @@ __all__ = [
     "MissingHandleError",
     "UuidReusedError",
     "ConfigurationMismatchError",
+    "ReconfigureAbandonedError",
     "ReconfigureTimeoutError",
     "InvalidOptionError",
     "CollectiveError",
@@ -275,6 +276,13 @@ class ConfigurationMismatchError(ReconfigureError):
 
 class ReconfigureTimeoutError(ReconfigureError, TimeoutError):
     """Not every member reached the rendezvous within the timeout."""
+
+
+class ReconfigureAbandonedError(ReconfigureError):
+    """The rendezvous was given up before every member arrived: this group was
+    aborted while it waited (its membership moved on to a newer configuration),
+    or another member gave it up. Nothing was connected; reconfigure again with
+    the newest configuration (a fresh uuid)."""
 
 
 class CollectiveError(FTC10DError):

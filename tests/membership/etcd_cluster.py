@@ -98,7 +98,8 @@ class EtcdCluster:
 
     def _healthy(self, node: Node) -> bool:
         if node.netns:
-            out = subprocess.run(["ip", "netns", "exec", node.netns, "curl", "-s", "-m", "1", node.endpoint + "/health"],
+            out = subprocess.run(["ip", "netns", "exec", node.netns,
+                                  "curl", "-s", "-m", "1", node.endpoint + "/health"],
                                  capture_output=True, text=True) if shutil.which("curl") else None
             if out is None:
                 return node.proc is not None and node.proc.poll() is None

@@ -59,6 +59,32 @@ def test_kill_one_of_four(spec: dict[str, Any]) -> None:
     assert took < 10, f"recovery took {took:.1f} s"
 
 
+def test_kill_and_a_join_at_once_do_not_stall_the_survivors(coordinator: Any) -> None:
+    """A removal and an admission agreed milliseconds apart: a survivor that adopts the
+    second before its rendezvous for the first must not leave the others waiting for it
+    until the rendezvous timeout (30 s here): the stale rendezvous is given up."""
+    # rank 3 is slow between steps, so it finds both changes at once and goes straight to the second
+    opts = {"expected": 4, "hold": {"4": "test/join"}, "intervals": {"3": 0.3}, "rendezvous_timeout": 30.0}
+    job = harness.start(pg_worker, 5, tcp_spec(coordinator), opts)
+    try:
+        st = wait_states(job.store, [0, 1, 2, 3], lambda s: same_config(s, 4, min_steps=3), 60, "4 ranks running")
+        before, victim = st[0]["uuid"], st[2]["handle"]
+        t0 = time.monotonic()
+        job.signal(2, signal.SIGKILL)
+        job.store.set("test/join", "1")
+        st = wait_states(job.store, [0, 1, 3, 4], lambda s: same_config(s, 4, not_uuid=before, min_steps=1), 60,
+                         "the survivors and the joiner on one configuration")
+        took = time.monotonic() - t0
+        print(f"kill + join -> one configuration of 4: {took:.2f} s")
+        job.store.set("test/stop", "1")
+        results = job.collect([0, 1, 3, 4], timeout=60)
+    finally:
+        job.close()
+    epoch, uuid, handles = _final_agree(results)
+    assert len(handles) == 4 and victim not in handles and results[4]["handle"] in handles
+    assert took < 10, f"survivors and joiner needed {took:.1f} s: a stale rendezvous was waited out"
+
+
 def test_freeze_fence_rejoin(spec: dict[str, Any]) -> None:
     job = harness.start(pg_worker, 4, spec, {"expected": 4, "rejoin": True})
     try:
@@ -73,7 +99,8 @@ def test_freeze_fence_rejoin(spec: dict[str, Any]) -> None:
         time.sleep(0.3)
         job.signal(3, signal.SIGCONT)
         st = wait_states(job.store, [0, 1, 2, 3],
-                         lambda s: same_config(s, 4, not_uuid=shrunk) and s[3].get("fenced") == 1 and s[0]["uuid"] != before,
+                         lambda s: (same_config(s, 4, not_uuid=shrunk) and s[3].get("fenced") == 1
+                                    and s[0]["uuid"] != before),
                          60, "the frozen rank to be fenced, rejoin as a new member and be admitted")
         assert st[3]["member"] != frozen_member
         job.store.set("test/stop", "1")

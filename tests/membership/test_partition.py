@@ -21,7 +21,6 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from ftc10d.membership import Agreement, Coordinator, Signer
-from ftc10d.membership.agreement import cfg_key
 from tests import harness
 from tests.membership.etcd_cluster import ETCD, SKIP_REASON, EtcdCluster
 from tests.membership.workers import member_worker, read_file_states

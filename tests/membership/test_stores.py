@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ftc10d.membership import Agreement, Coordinator, Member, Signer, TCPMembershipStore
+from ftc10d.membership import Agreement, Coordinator, Member, Signer
 from ftc10d.membership.agreement import cfg_key, hb_key
 from tests import harness
 from tests.membership.conftest import etcd_spec, needs_etcd, same_config, states, tcp_spec, wait_states
@@ -125,10 +125,12 @@ def test_bad_signature_is_ignored_and_logged(coordinator: Coordinator, caplog: A
             "members": [[members[0].id, members[0].handle]], "joins": first.joins_upto, "min": 1})
         assert store.create(cfg_key(first.epoch + 1), forged)[0]
         # A forged join: a member record and heartbeat signed with the wrong key, and an unsigned one.
-        store.put("mem/evil", forger.encode("mem/evil", {"kind": "member", "id": "evil", "handle": "ftc10d/v1/x/1/" + "e" * 16}))
+        store.put("mem/evil", forger.encode("mem/evil", {"kind": "member", "id": "evil",
+                                                         "handle": "ftc10d/v1/x/1/" + "e" * 16}))
         store.put(hb_key("evil"), forger.encode_beat(hb_key("evil"), 1))
         store.append_join("evil")
-        store.put("mem/bare", Signer(None).encode("mem/bare", {"kind": "member", "id": "bare", "handle": "ftc10d/v1/x/2/" + "b" * 16}))
+        store.put("mem/bare", Signer(None).encode("mem/bare", {"kind": "member", "id": "bare",
+                                                               "handle": "ftc10d/v1/x/2/" + "b" * 16}))
         store.put(hb_key("bare"), Signer(None).encode_beat(hb_key("bare"), 1))
         store.append_join("bare")
         time.sleep(1.0)
@@ -168,7 +170,8 @@ def test_below_min_members_blocks_with_clear_status(coordinator: Coordinator) ->
                          "wait_next to time out with the status")
         assert "below min_members=4" in st[0]["timeout_msg"]
         time.sleep(1.0)
-        assert all(v["epoch"] == epoch for v in states(job.store, [0, 1, 2]).values()), "a configuration formed below quorum"
+        assert all(v["epoch"] == epoch for v in states(job.store, [0, 1, 2]).values()), \
+            "a configuration formed below quorum"
         # A replacement joins: quorum is back, the dead member is dropped in the same step.
         joiner = harness.start(member_worker, 1, spec, {**opts, "rank_offset": 4}, store=job.store)
         st = wait_states(job.store, [0, 1, 2, 4], lambda s: same_config(s, 4) and s[0]["epoch"] > epoch, 30,

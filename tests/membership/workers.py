@@ -91,6 +91,9 @@ def pg_worker(rank: int, world: int, port: int, spec: dict[str, Any], opts: dict
     pg = ftc10d.ProcessGroup(dist.PrefixStore("pg", base), rank, world,
                              timeout=timedelta(seconds=opts.get("pg_timeout", 20)), enable_reconfigure=True)
     handle = pg.get_reconfigure_handle()
+    hold = opts.get("hold", {}).get(str(rank))
+    if hold:  # a late joiner, ready to go: joins the membership once the test sets this key
+        control.wait([hold], timedelta(seconds=120))
     member = make_member(spec, handle, opts).join().attach(pg)
     events: list[list[Any]] = []
     history: list[list[Any]] = []
@@ -134,7 +137,7 @@ def pg_worker(rank: int, world: int, port: int, spec: dict[str, Any], opts: dict
                 applied(member.sync(pg, timeout=60))
             except ftc10d.Fenced:
                 continue  # handled at the top of the loop
-        time.sleep(opts.get("interval", 0.01))
+        time.sleep(opts.get("intervals", {}).get(str(rank), opts.get("interval", 0.01)))
     member.close(leave=True)
     return {"handle": handle, "member": member.id, "steps": steps, "events": events, "history": history,
             "fenced": fenced}

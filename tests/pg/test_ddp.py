@@ -23,7 +23,8 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
 
 
-def _expected_grads(model: torch.nn.Module, pg: dist.ProcessGroup, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+def _expected_grads(model: torch.nn.Module, pg: dist.ProcessGroup, x: torch.Tensor,
+                    y: torch.Tensor) -> list[torch.Tensor]:
     """Average of every member's local gradient, computed without DDP."""
     ref = copy.deepcopy(model)
     ref.zero_grad()
@@ -35,7 +36,8 @@ def _expected_grads(model: torch.nn.Module, pg: dist.ProcessGroup, x: torch.Tens
     return grads
 
 
-def _step(ddp: DDP, model: torch.nn.Module, opt: torch.optim.Optimizer, pg: dist.ProcessGroup, step: int, me: int) -> bool:
+def _step(ddp: DDP, model: torch.nn.Module, opt: torch.optim.Optimizer, pg: dist.ProcessGroup, step: int,
+          me: int) -> bool:
     x, y = _batch(me, step)
     expected = _expected_grads(model, pg, x, y)
     opt.zero_grad()

@@ -18,7 +18,8 @@ def _hooks(rank: int, world: int, port: int) -> dict:
     store = harness.client_store(port)
     pg = ftc10d.ProcessGroup(store, rank, world, timeout=T)
     events: list[tuple] = []
-    pg.register_pre_hook(1, lambda a: events.append(("pre1", a.name, a.op_id, a.async_op, len(a.input_tensors), len(a.output_tensors), a.root)))
+    pg.register_pre_hook(1, lambda a: events.append(("pre1", a.name, a.op_id, a.async_op, len(a.input_tensors),
+                                                     len(a.output_tensors), a.root)))
     pg.register_pre_hook(2, lambda a: events.append(("pre2", a.name, a.op_id)))
 
     def boom(a: object) -> None:

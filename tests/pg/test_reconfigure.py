@@ -214,6 +214,37 @@ def test_timed_out_reconfigure_is_retryable_with_fresh_uuid() -> None:
         assert (size, total) == (2, 1.0)
 
 
+def _abandon(rank: int, world: int, port: int) -> tuple:
+    import threading
+
+    store = harness.client_store(port)
+    pg = ftc10d.ProcessGroup(store, rank, world, timeout=T)
+    handles = harness.exchange(store, "h", rank, pg.get_reconfigure_handle(), world)
+    t0 = time.monotonic()
+    if rank == world - 1:  # arrives after the others gave uuid 9 up: it counts as used
+        store.wait(["gave-up/0", "gave-up/1"], timedelta(seconds=30))
+        t0 = time.monotonic()
+        with pytest.raises(ftc10d.UuidReusedError):
+            ftc10d.reconfigure(9, handles, group=pg)
+    else:
+        if rank == 0:  # e.g. its membership moved on while it waited: abort() from another thread
+            threading.Timer(0.5, pg.abort).start()
+        with pytest.raises(ftc10d.ReconfigureAbandonedError, match="given up before rank 2"):
+            ftc10d.reconfigure(9, handles, group=pg)  # rank 2 is not coming; the timeout is 20 s
+        store.set(f"gave-up/{rank}", "1")
+    waited = time.monotonic() - t0
+    ftc10d.reconfigure(10, handles, group=pg)  # nothing was connected for 9: a fresh uuid works
+    return waited, _sum_of_ranks(pg)
+
+
+def test_abort_gives_a_pending_rendezvous_up_on_every_member() -> None:
+    res = harness.run(_abandon, 3)
+    for r in range(3):
+        waited, total = res[r]
+        assert waited < 10, f"rank {r} waited {waited:.1f} s: the rendezvous was not given up"
+        assert total == 3.0
+
+
 def _after_kill(rank: int, world: int, port: int) -> tuple:
     store = harness.client_store(port)
     pg = ftc10d.ProcessGroup(store, rank, world, timeout=T)

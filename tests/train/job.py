@@ -37,10 +37,8 @@ def _suicide_hook(manager: Any, die: dict[str, Any], claim: Callable[[str], bool
         if manager.step < die["after_step"]:
             return
         name = str(args.name).lower().replace("_", "")
-        tensors = args.input_tensors
         hit = (die["op"] == "send" and name.endswith("send")) or (
-            die["op"] == "vote" and name.endswith("allreduce") and bool(tensors)
-            and tensors[0].dtype == torch.int64 and tensors[0].numel() == 2)
+            die["op"] == "vote" and name.endswith("allreduce") and manager.in_vote)
         if hit and (not die.get("once") or claim(f"die/{die['op']}")):
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -55,7 +53,7 @@ def train_loop(pg: Any, member: Any, opts: dict[str, Any], publish: Callable[[st
     torch.manual_seed(rank + 1000 * int(os.environ.get("FTC10D_RESTART_COUNT", "0")))  # different weights
     model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    manager = Manager(pg, member)
+    manager = Manager(pg, member, vote=opts.get("vote", "fused"))
     events: list[list[Any]] = []
     manager.add_listener(lambda kind, info: events.append([time.time(), kind, info]))
     ddp = manager.ddp(model)
@@ -64,10 +62,14 @@ def train_loop(pg: Any, member: Any, opts: dict[str, Any], publish: Callable[[st
         pg.register_pre_hook(7, _suicide_hook(manager, die, claim))
     opt = ManagedOptimizer(manager, optim)
     steps, aborted = opts["steps"], 0
+    veto = opts.get("veto", {}).get(str(rank))  # {"step": s}: veto step s once, before backward
     while manager.step < steps:
         opt.zero_grad()
         x, y = batch_for(manager.step, manager.rank, manager.world_size)
         loss = nn.functional.cross_entropy(ddp(x), y)
+        if veto is not None and manager.step == veto["step"]:
+            manager.veto(f"test veto of step {veto['step']}")
+            veto = None
         loss.backward()
         if opt.step():
             publish(f"fp/{manager.step}/{os.getpid()}", manager.fingerprint())

@@ -90,10 +90,13 @@ def test_frozen_member_is_fenced_and_rejoins_with_the_committed_state(coordinato
         job.signal(2, signal.SIGSTOP)
         frozen_at = progress(job.store, job.pid(2))
         wait_progress(job, 0, frozen_at + 10)  # the others went on without it
+        resumed = time.time()
         job.signal(2, signal.SIGCONT)
         results = job.collect(timeout=120)
     finally:
         job.close()
+    fenced = [e[0] for e in results[2]["events"] if e[1] == "fenced"]
+    assert fenced and fenced[0] - resumed < 10, "the resumed member must learn at once that it was removed"
     assert check_invariant(job.store, [r["pid"] for r in results.values()], steps) >= steps - 1
     assert len({r["final"] for r in results.values()}) == 1, "live replicas differ at the end"
     kinds = [e[1] for e in results[2]["events"]]
@@ -101,10 +104,12 @@ def test_frozen_member_is_fenced_and_rejoins_with_the_committed_state(coordinato
     assert all(r["steps"] == steps for r in results.values())
 
 
-def test_member_dies_during_the_commit_vote(coordinator: Coordinator) -> None:
+@pytest.mark.parametrize("vote", ["fused", "separate"])
+def test_member_dies_during_the_commit_vote(coordinator: Coordinator, vote: str) -> None:
+    """The vote with the last gradient bucket (default) or an all-reduce of its own."""
     steps = 40
-    job = start(train_worker, 4, coordinator.address,
-                {"steps": steps, "interval": 0.01, "finishers": 3, "die": {"3": {"op": "vote", "after_step": 12}}})
+    job = start(train_worker, 4, coordinator.address, {"steps": steps, "interval": 0.01, "finishers": 3, "vote": vote,
+                                                       "die": {"3": {"op": "vote", "after_step": 12}}})
     try:
         results = job.collect([0, 1, 2], timeout=120)
     finally:
@@ -114,6 +119,28 @@ def test_member_dies_during_the_commit_vote(coordinator: Coordinator) -> None:
     assert check_invariant(job.store, pids, steps) >= steps - 1
     assert len({r["final"] for r in results.values()}) == 1
     assert all(r["steps"] == steps and r["aborted"] >= 1 for r in results.values())
+
+
+@pytest.mark.parametrize("vote", ["fused", "separate"])
+def test_a_veto_on_one_rank_stops_the_step_on_every_rank(coordinator: Coordinator, vote: str) -> None:
+    steps = 12
+    job = start(train_worker, 3, coordinator.address,
+                {"steps": steps, "finishers": 3, "vote": vote, "veto": {"1": {"step": 5}}})
+    try:
+        results = job.collect(timeout=120)
+    finally:
+        job.close()
+    assert all(r["steps"] == steps and r["aborted"] == 1 for r in results.values()), results
+    assert check_invariant(job.store, [r["pid"] for r in results.values()], steps) == steps
+    assert len({r["final"] for r in results.values()}) == 1
+
+
+def test_bad_manager_options_are_rejected() -> None:
+    from ftc10d import InvalidOptionError
+    from ftc10d.train import Manager
+
+    with pytest.raises(InvalidOptionError, match="vote="):
+        Manager(None, None, vote="maybe")
 
 
 def test_source_dies_while_sending_state_to_a_joiner_and_two_failures_in_a_row(coordinator: Coordinator) -> None:

@@ -231,7 +231,7 @@ def _invalidation(rank: int, world: int, port: int, transport: str) -> dict:
     try:
         pending.wait()
         out["pending"] = "completed"
-    except ftc10d.WindowInvalidError as e:
+    except ftc10d.WindowInvalidError:
         out["pending"] = ("WindowInvalidError", time.perf_counter() - t0)
     for name, fn in {
         "put": lambda: win.put(torch.ones(4), 0, 0, False),
@@ -245,7 +245,8 @@ def _invalidation(rank: int, world: int, port: int, transport: str) -> dict:
             out[name] = "no error"
         except ftc10d.WindowInvalidError as e:
             out[name] = str(e)
-            assert isinstance(e, ftc10d.ProcessGroupAborted) and e.op == name.replace("map", "map_remote_tensor").replace("register", "tensor_register")
+            assert isinstance(e, ftc10d.ProcessGroupAborted) and \
+                e.op == name.replace("map", "map_remote_tensor").replace("register", "tensor_register")
     # a new window of the new configuration works
     local2 = torch.zeros(8)
     win2 = pg.new_window(local2)

@@ -145,7 +145,8 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> list[GenerationReport]:
                 rep.waited_s = max(waits) if waits else 0.0
         if rep.first_incomplete_seq is not None:
             top = max(last.values()) if last else 0
-            rep.behind = sorted(r for r, s in last.items() if s is not None and s < rep.first_incomplete_seq and s < top)
+            rep.behind = sorted(r for r, s in last.items()
+                                if s is not None and s < rep.first_incomplete_seq and s < top)
         rep.verdict = _verdict(rep)
         reports.append(rep)
     return reports
@@ -159,7 +160,10 @@ def _verdict(rep: GenerationReport) -> str:
     where = f"{rep.op} #{rep.first_incomplete_seq} of {rep.label}"
     if rep.missing:
         who = "rank" if len(rep.missing) == 1 else "ranks"
-        waited = f"; {'rank' if len(rep.waiting) == 1 else 'ranks'} {_ranks(rep.waiting)} waited {rep.waited_s:.1f} s" if rep.waiting else ""
+        waited = ""
+        if rep.waiting:
+            whose = "rank" if len(rep.waiting) == 1 else "ranks"
+            waited = f"; {whose} {_ranks(rep.waiting)} waited {rep.waited_s:.1f} s"
         return f"{who} {_ranks(rep.missing)} never entered {where}{waited}"
     if rep.mismatches:
         m = rep.mismatches[0]
@@ -192,7 +196,8 @@ def format_text(reports: list[GenerationReport]) -> str:
         for r, why in sorted(rep.not_completed.items()):
             lines.append(f"   rank {r}: not completed ({why})")
         for m in rep.mismatches[:10]:
-            lines.append(f"   mismatch at #{m.seq} in {m.field}: " + ", ".join(f"{r}={v}" for r, v in sorted(m.values.items())))
+            lines.append(f"   mismatch at #{m.seq} in {m.field}: "
+                         + ", ".join(f"{r}={v}" for r, v in sorted(m.values.items())))
         lines.append(f"   verdict: {rep.verdict}")
     return "\n".join(lines)
 

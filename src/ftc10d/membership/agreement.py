@@ -322,7 +322,8 @@ class Agreement:
         """The nonce naming this store's state; a store that lost its state gets a new one."""
         raw = self.store.get(KEY_INC)
         if raw is None and create:
-            _, raw = self.store.create(KEY_INC, self.signer.encode(KEY_INC, {"kind": "inc", "nonce": secrets.token_hex(8)}))
+            fresh = {"kind": "inc", "nonce": secrets.token_hex(8)}
+            _, raw = self.store.create(KEY_INC, self.signer.encode(KEY_INC, fresh))
         body = self.signer.decode(KEY_INC, raw)
         if body is None:
             if raw is not None and create:
@@ -436,7 +437,9 @@ class Agreement:
                 remove[str(mid)] = str(entry[0])
         return remove, str(body.get("blocked", "")) if remove else ""
 
-    def _read_round(self, cur: Optional[Configuration]) -> tuple[Optional[Configuration], dict[str, str], list[tuple[int, str]]]:
+    def _read_round(
+        self, cur: Optional[Configuration]
+    ) -> tuple[Optional[Configuration], dict[str, str], list[tuple[int, str]]]:
         """What a proposal is computed from: the latest configuration, its pending removals
         and the joins logged since it. One round trip on etcd; a few cheap ones on TCPStore."""
         inc = self._inc_or_read()
@@ -478,7 +481,8 @@ class Agreement:
             if ok:
                 return
 
-    def _install(self, cfg: Configuration, prev: Optional[Configuration] = None) -> tuple[bool, Optional[Configuration]]:
+    def _install(self, cfg: Configuration,
+                 prev: Optional[Configuration] = None) -> tuple[bool, Optional[Configuration]]:
         """Create ``cfg/<epoch>``; a slot holding a bad record is taken over by CAS."""
         key = cfg_key(cfg.epoch)
         if prev is not None and cfg.size > FULL_LIMIT and cfg.epoch - prev.full_epoch < FULL_EVERY:

@@ -40,7 +40,7 @@ from typing import Any, Optional, Union
 import requests
 
 from ftc10d.membership.store import Head, MembershipStore
-from ftc10d.types import StoreUnavailableError
+from ftc10d.types import InvalidOptionError, StoreUnavailableError
 
 logger = logging.getLogger("ftc10d")
 
@@ -98,7 +98,7 @@ class EtcdMembershipStore(MembershipStore):
         if isinstance(endpoints, str):
             endpoints = [e for e in endpoints.split(",") if e]
         if not endpoints:
-            raise ValueError("give at least one etcd endpoint")
+            raise InvalidOptionError("give at least one etcd endpoint, e.g. [\"http://127.0.0.1:2379\"]")
         self.endpoints = list(endpoints)
         self.prefix = prefix
         self.timeout = timeout

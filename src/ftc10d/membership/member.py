@@ -58,9 +58,11 @@ from ftc10d.membership.store import MembershipStore
 from ftc10d.types import (
     ErrorType,
     Fenced,
+    InvalidOptionError,
     MembershipError,
     MembershipTimeoutError,
     PeerFailureError,
+    ReconfigureAbandonedError,
     ReconfigureTimeoutError,
     StoreUnavailableError,
     UuidReusedError,
@@ -120,11 +122,11 @@ class Member:
         rendezvous_timeout: Optional[float] = None,
     ) -> None:
         if not isinstance(handle, str) or not handle:
-            raise ValueError(f"handle must be a non-empty str (pg.get_reconfigure_handle()), got {handle!r}")
+            raise InvalidOptionError(f"handle must be a non-empty str (pg.get_reconfigure_handle()), got {handle!r}")
         if heartbeat_timeout <= 0:
-            raise ValueError(f"heartbeat_timeout must be positive, got {heartbeat_timeout}")
+            raise InvalidOptionError(f"heartbeat_timeout must be positive, got {heartbeat_timeout}")
         if min_members < 1:
-            raise ValueError(f"min_members must be at least 1, got {min_members}")
+            raise InvalidOptionError(f"min_members must be at least 1, got {min_members}")
         self._settings: dict[str, Any] = dict(
             token=token, heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval,
             watch_interval=watch_interval, watchers=watchers, min_members=min_members, expected=expected,
@@ -162,6 +164,8 @@ class Member:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._pgs: list[Any] = []
+        #: (group, configuration) while sync()/apply() waits in that configuration's rendezvous.
+        self._applying: Optional[tuple[Any, Configuration]] = None
         self._closed = False
 
     def _new_agreement(self, store: MembershipStore) -> Agreement:
@@ -288,7 +292,8 @@ class Member:
         cur = self._current
         if cur is None or self._closed:
             return
-        if self._suspect_self or time.monotonic() - max(self._last_beat_ok, self._verified_at) > self.heartbeat_timeout / 2:
+        if (self._suspect_self
+                or time.monotonic() - max(self._last_beat_ok, self._verified_at) > self.heartbeat_timeout / 2):
             self._verify(cur)
             if self._fenced is not None:
                 raise self._fenced
@@ -377,6 +382,12 @@ class Member:
         """Abort attached groups whose live configuration lost a member (or all of them:
         ``cfg`` None, once fenced or when the store lost its state). Never called with
         the member's condition held."""
+        applying = self._applying
+        if applying is not None and (cfg is None or applying[1].epoch < cfg.epoch):
+            # sync() waits in the rendezvous of an older configuration, maybe for members that
+            # went straight to this one: give it up now rather than at its timeout.
+            logger.info("membership: %s gives up the rendezvous of %s", self.id, applying[1])
+            applying[0].abort()
         for pg in list(self._pgs):
             try:
                 gen = pg.generation
@@ -413,7 +424,8 @@ class Member:
             self._adopt(out.config)
         return out.config
 
-    def apply(self, pg: Any, config: Optional[Configuration] = None, *, timeout: Optional[float] = None) -> Configuration:
+    def apply(self, pg: Any, config: Optional[Configuration] = None, *,
+              timeout: Optional[float] = None) -> Configuration:
         """Reconfigure ``pg`` to ``config`` (default: the newest held): ``ftc10d.reconfigure``
         with its uuid and ordered handles. A no-op if ``pg`` is already on it."""
         import ftc10d
@@ -424,8 +436,18 @@ class Member:
             raise MembershipError(f"member {self.id} holds no configuration yet; wait_next() first")
         if pg.uuid == cfg.uuid:
             return cfg
-        ftc10d.reconfigure(cfg.uuid, list(cfg.handles), group=pg,
-                           timeout=None if timeout is None else timedelta(seconds=timeout))
+        with self._cv:
+            cur = self._current
+            if cur is not None and cur.incarnation == cfg.incarnation and cur.epoch > cfg.epoch:
+                raise ReconfigureAbandonedError(f"{cfg} was superseded by epoch {cur.epoch} before its rendezvous; "
+                                                "apply the newest configuration")
+            self._applying = (pg, cfg)
+        try:
+            ftc10d.reconfigure(cfg.uuid, list(cfg.handles), group=pg,
+                               timeout=None if timeout is None else timedelta(seconds=timeout))
+        finally:
+            with self._cv:
+                self._applying = None
         return cfg
 
     def sync(self, pg: Any, timeout: Optional[float] = None) -> Configuration:
@@ -462,6 +484,12 @@ class Member:
                     continue
             try:
                 return self.apply(pg, cfg, timeout=max(left(self.rendezvous_timeout) or 0.0, 0.001))
+            except ReconfigureAbandonedError as exc:
+                # A newer configuration superseded cfg (adopted here, or by a member that went
+                # straight to it and gave cfg's rendezvous up): it is in the store already.
+                logger.info("membership: %s gave up %s: %s", self.id, cfg, exc)
+                self._renew(cfg, f"the rendezvous of epoch {cfg.epoch} was given up")
+                self.wait_next(cfg.epoch, left())
             except (ReconfigureTimeoutError, UuidReusedError) as exc:
                 logger.warning("membership: %s could not connect %s (%s)", self.id, cfg, exc)
                 self._renew(cfg, f"the rendezvous of epoch {cfg.epoch} failed")
@@ -597,7 +625,8 @@ class Member:
     def _healthy(self, now: float) -> bool:
         """Whether our own heartbeats have flowed for a full timeout: only then do we judge
         others' silence (a store outage or our own freeze silences everyone alike)."""
-        return now - self._last_beat_ok < self.heartbeat_timeout / 2 and now - self._beat_gap_at > self.heartbeat_timeout
+        return (now - self._last_beat_ok < self.heartbeat_timeout / 2
+                and now - self._beat_gap_at > self.heartbeat_timeout)
 
     def _detect_loop(self) -> None:
         store = self._store.clone()

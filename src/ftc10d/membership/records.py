@@ -24,6 +24,8 @@ import logging
 import os
 from typing import Any, Optional, Union
 
+from ftc10d.types import InvalidOptionError
+
 logger = logging.getLogger("ftc10d")
 
 #: Environment variable holding the job token (any non-empty string).
@@ -41,7 +43,7 @@ def resolve_token(token: Union[str, bytes, None]) -> Optional[bytes]:
         return None
     raw = token.encode() if isinstance(token, str) else bytes(token)
     if not raw:
-        raise ValueError("the job token is empty; unset it or give a non-empty one")
+        raise InvalidOptionError("the job token is empty; unset it or give a non-empty one")
     return raw
 
 

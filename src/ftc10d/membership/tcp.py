@@ -315,7 +315,8 @@ class Coordinator:
                     lapsed = detector.observe(ids, raws, time.monotonic())
                     if lapsed:
                         self.detections += 1
-                        out = agreement.propose({m: "heartbeat" for m in lapsed}, reason="coordinator: heartbeat lapsed")
+                        out = agreement.propose({m: "heartbeat" for m in lapsed},
+                                                reason="coordinator: heartbeat lapsed")
                         if out.blocked:
                             logger.warning("membership coordinator: %s", out.blocked)
                         cur = out.config
@@ -347,6 +348,10 @@ class ReconnectingTCPStore(dist.Store):
 
     def _connect(self) -> dist.TCPStore:
         return dist.TCPStore(self._host, self._port, is_master=False, wait_for_workers=False, timeout=self._timeout)
+
+    def clone(self) -> "ReconnectingTCPStore":
+        """A second connection to the same store (a thread blocked in ``wait`` holds this one)."""
+        return ReconnectingTCPStore(self._host, self._port, self._timeout)
 
     def _call(self, fn: Callable[[dist.TCPStore], T]) -> T:
         try:

@@ -137,7 +137,8 @@ def _group(group: Optional[dist.ProcessGroup]) -> ProcessGroup:
         raise InvalidOptionError("no group given and no default process group; pass group= or call init_process_group")
     if not isinstance(pg, ProcessGroup):
         raise InvalidOptionError(
-            f"{type(pg).__name__} is not an ftc10d group; create it with ftc10d.ProcessGroup or ftc10d.init_process_group"
+            f"{type(pg).__name__} is not an ftc10d group; "
+            "create it with ftc10d.ProcessGroup or ftc10d.init_process_group"
         )
     return pg
 

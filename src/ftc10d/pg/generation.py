@@ -10,7 +10,8 @@ Store layout of a rendezvous (keys under the group's store)::
 
     ftc10d/cfg/<uuid>/sig          sha256 of the ordered handles, claimed with compare_set;
                                    "used:<sig>" once the members have met (reuse detection)
-    ftc10d/cfg/<uuid>/rank/<r>     "<handle>|<global rank>" written by rank r on arrival
+    ftc10d/cfg/<uuid>/rank/<r>     "<handle>|<global rank>" written by rank r on arrival (compare_set),
+                                   or "!abandoned|<why>" once a member gave the rendezvous up
     ftc10d/cfg/<uuid>/gloo/...     Gloo's own keys, and "ep/<r>": rank r's socket endpoints;
                                    "aborted/<r>" why rank r aborted; "failed": the dead peer
     ftc10d/init/count/<r>          how many groups rank r bootstrapped on this store
@@ -40,6 +41,7 @@ from ftc10d.types import (
     ErrorType,
     PeerFailureError,
     ProcessGroupAborted,
+    ReconfigureAbandonedError,
     ReconfigureTimeoutError,
     UuidReusedError,
 )
@@ -50,7 +52,8 @@ KEY_ROOT = "ftc10d"
 #: How long an abort waits for the generation's ops to drain after its sockets are cut.
 #: They fail within milliseconds; the bound only guards against a backend bug.
 ABORT_DRAIN_TIMEOUT = timedelta(seconds=10)
-_PEER_ERROR_MARKERS = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "Read error", "Write error", "EOF")
+_PEER_ERROR_MARKERS = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused",
+                       "Read error", "Write error", "EOF")
 
 
 def is_communication_failure(exc: BaseException) -> bool:
@@ -333,19 +336,95 @@ def claim_uuid(store: dist.Store, plan: Plan) -> None:
     )
 
 
+#: The value that fills a rank slot of a rendezvous that was given up.
+ABANDONED = "!abandoned"
+
+
+def rank_keys(plan: Plan) -> list[str]:
+    """The store keys of ``plan``'s rendezvous, one per rank."""
+    return [f"{KEY_ROOT}/cfg/{plan.uuid}/rank/{r}" for r in range(plan.size)]
+
+
+class PendingRendezvous:
+    """A rendezvous in progress, which another thread can give up.
+
+    Why: a member blocked here waits for members that may never come, e.g. one
+    that adopted a newer configuration a few milliseconds earlier and went
+    straight to it. When the membership moves on, the group is aborted, and an
+    abort gives the pending rendezvous up at once instead of at its timeout.
+
+    Giving up fills every rank slot still empty with a tombstone (``compare_set``,
+    so a slot already taken keeps its member): the waiters, here and on every
+    other member, wake at once and raise :class:`ReconfigureAbandonedError`, and
+    a member arriving later finds its slot taken and gives up too. Either all of
+    the members connect (every slot was taken before the tombstones) or none does.
+    The tombstones are written from a second store connection on a short-lived
+    thread, because the waiting thread holds the first one inside ``wait``.
+    """
+
+    def __init__(self, store: dist.Store, plan: Plan) -> None:
+        self.store = store
+        self.plan = plan
+        self.keys = rank_keys(plan)
+        self.abandoned = threading.Event()
+
+    def abandon(self, why: str) -> None:
+        """Give the rendezvous up (idempotent; returns at once)."""
+        if self.abandoned.is_set():
+            return
+        self.abandoned.set()
+        threading.Thread(target=self._tombstone, args=(why,), name="ftc10d-abandon", daemon=True).start()
+
+    def _tombstone(self, why: str) -> None:
+        try:
+            store = self.store.clone()
+        except Exception as exc:  # a store that cannot clone: the waiters give up at their timeout
+            logger.warning("rendezvous %d: cannot give up early, the store has no clone() (%s)", self.plan.uuid, exc)
+            return
+        value = f"{ABANDONED}|{why}"
+        for key in self.keys:
+            try:
+                store.compare_set(key, "", value)
+            except Exception as exc:
+                logger.warning("rendezvous %d: could not give up slot %s: %s", self.plan.uuid, key, exc)
+                return
+
+
+def _abandoned(plan: Plan, values: list[str]) -> Optional[ReconfigureAbandonedError]:
+    for r, value in enumerate(values):
+        if value.startswith(ABANDONED):
+            why = value.partition("|")[2]
+            return ReconfigureAbandonedError(
+                f"reconfigure to uuid {plan.uuid}: the rendezvous was given up before rank {r} of {plan.size} "
+                f"arrived ({why}). Nothing was connected; reconfigure with the newest configuration (a fresh uuid)"
+            )
+    return None
+
+
 def rendezvous(
     store: dist.Store,
     plan: Plan,
     global_rank: int,
     op_timeout: timedelta,
     fire_abort_hooks: Callable[[], None],
+    pending: Optional[PendingRendezvous] = None,
 ) -> Generation:
-    """Meet every member of ``plan`` and connect a new Gloo communicator."""
+    """Meet every member of ``plan`` and connect a new Gloo communicator.
+
+    ``pending`` (built by the caller before the call) lets another thread give the
+    rendezvous up while it waits (:meth:`PendingRendezvous.abandon`).
+    """
     prefix = f"{KEY_ROOT}/cfg/{plan.uuid}"
     sig = handles_digest(plan.handles)
-    keys = [f"{prefix}/rank/{r}" for r in range(plan.size)]
+    keys = rank_keys(plan)
     try:
-        store.set(keys[plan.rank], f"{plan.handles[plan.rank]}|{global_rank}")
+        mine = f"{plan.handles[plan.rank]}|{global_rank}"
+        got = store.compare_set(keys[plan.rank], "", mine).decode()
+        if got != mine:
+            raise _abandoned(plan, [got]) or ConfigurationMismatchError(
+                f"reconfigure to uuid {plan.uuid}: rank {plan.rank} was already taken by {got.partition('|')[0]!r}; "
+                "all members must be given the same ordered handles"
+            )
         try:
             store.wait(keys, plan.timeout)
         except Exception as exc:
@@ -356,6 +435,9 @@ def rendezvous(
                 "Retry with a fresh uuid and the members that are alive."
             ) from exc
         values = [v.decode() for v in store.multi_get(keys)]
+        gave_up = _abandoned(plan, values)
+        if gave_up is not None:
+            raise gave_up
         global_ranks = []
         for r, value in enumerate(values):
             handle, _, grank = value.partition("|")

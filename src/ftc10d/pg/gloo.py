@@ -86,7 +86,8 @@ def _describe(fd: int, inode: int) -> Optional[_PairSocket]:
             return None
         finally:
             s.detach()
-        return _PairSocket(fd=fd, inode=inode, local=(str(local[0]), int(local[1])), remote=(str(remote[0]), int(remote[1])))
+        return _PairSocket(fd=fd, inode=inode, local=(str(local[0]), int(local[1])),
+                           remote=(str(remote[0]), int(remote[1])))
     finally:
         os.close(dup)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
@@ -26,7 +27,14 @@ import torch.distributed as dist
 import torch._C._distributed_c10d as _c10d
 
 from ftc10d.pg import handles as _handles
-from ftc10d.pg.generation import Generation, bootstrap, claim_uuid, is_communication_failure, rendezvous
+from ftc10d.pg.generation import (
+    Generation,
+    PendingRendezvous,
+    bootstrap,
+    claim_uuid,
+    is_communication_failure,
+    rendezvous,
+)
 from ftc10d.pg.hooks import HookRegistry
 from ftc10d.pg.observer import GROUP_CREATED, OpObserver
 from ftc10d.pg.work import CompletedWork, MultiWork, Work
@@ -114,6 +122,8 @@ class ProcessGroup(dist.ProcessGroup):
         self._gen: Optional[Generation] = None
         self._used_uuids: set[int] = set()
         self._reconfigure_lock = threading.Lock()
+        #: The rendezvous a reconfigure() is waiting in, if any: abort() gives it up.
+        self._pending: Optional[PendingRendezvous] = None
         self._op_ids = itertools.count()
         self._abort_hooks = HookRegistry("abort")
         self._pre_hooks = HookRegistry("pre")
@@ -238,7 +248,12 @@ class ProcessGroup(dist.ProcessGroup):
                 old.abort(ErrorType.COMM_ERROR, f"reconfigured to generation {plan.uuid}")
             from ftc10d.pg import c10d
 
-            gen = rendezvous(self._store, plan, c10d.global_rank(self), self._timeout, self._fire_abort_hooks)
+            self._pending = PendingRendezvous(self._store, plan)
+            try:
+                gen = rendezvous(self._store, plan, c10d.global_rank(self), self._timeout, self._fire_abort_hooks,
+                                 self._pending)
+            finally:
+                self._pending = None
             gen.on_error = self._notify_error
             if self._observer is not None:
                 self._observer.on_generation(self, gen)
@@ -254,13 +269,23 @@ class ProcessGroup(dist.ProcessGroup):
     def abort(self) -> None:
         """Abort the current configuration: every pending ``wait()`` raises
         :class:`ProcessGroupAborted`, and no op of it writes into a user tensor
-        once this returns. ``reconfigure()`` makes the group usable again."""
+        once this returns. ``reconfigure()`` makes the group usable again.
+
+        A ``reconfigure()`` waiting in its rendezvous on another thread gives it up
+        (:class:`ReconfigureAbandonedError`, here and on the other members) rather
+        than wait for members that may never come."""
+        pending = self._pending
+        if pending is not None:
+            pending.abandon(f"a member's group was aborted (pid {os.getpid()})")
         gen = self._gen
         if gen is not None:
             gen.abort(ErrorType.COMM_ERROR, "aborted by the user (ProcessGroup.abort())")
 
     def shutdown(self) -> None:
         """Tear the group down for good. Unlike abort() this is no failure: abort hooks do not fire."""
+        pending = self._pending
+        if pending is not None:
+            pending.abandon(f"a member's group was shut down (pid {os.getpid()})")
         gen = self._gen
         if gen is not None and not gen.aborted:
             gen.abort(ErrorType.SUCCESS, "the group was shut down", hooks=False)

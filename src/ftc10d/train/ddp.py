@@ -33,7 +33,10 @@ logger = logging.getLogger("ftc10d")
 # No ``from __future__ import annotations`` here: DDP inspects the hook's annotations
 # and wants the real GradBucket and Future[Tensor] types.
 def allreduce_hook(manager: "Manager", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: average the bucket over the current participants; never fails."""
+    """DDP comm hook: average the bucket over the current participants; never fails. The
+    last bucket of a backward pass carries the commit vote (``Manager(vote="fused")``)."""
+    if bucket.is_last():
+        return manager.allreduce_with_vote(bucket.buffer())
     return manager.allreduce(bucket.buffer())
 
 

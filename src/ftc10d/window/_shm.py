@@ -190,7 +190,8 @@ def share_tensor(tensor: torch.Tensor) -> SharedStorage:
     return SharedStorage(fd, os.fstat(fd).st_ino, st.nbytes(), tensor.storage_offset() * tensor.element_size())
 
 
-def map_tensor(pid: int, info: SharedStorage, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[mmap.mmap, torch.Tensor]:
+def map_tensor(pid: int, info: SharedStorage, dtype: torch.dtype,
+               shape: tuple[int, ...]) -> tuple[mmap.mmap, torch.Tensor]:
     """Map a peer's registered tensor: returns the mapping and a view with the peer's dtype and shape."""
     mm = map_fd(pid, info.fd, info.inode, info.storage_nbytes)
     numel = 1

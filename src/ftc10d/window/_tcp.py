@@ -159,7 +159,8 @@ class Server:
                     conn.close()
                     return
                 self._conns.append(conn)
-                t = threading.Thread(target=self._serve, args=(conn,), name=f"ftc10d-window{self._index}-rx", daemon=True)
+                t = threading.Thread(target=self._serve, args=(conn,), name=f"ftc10d-window{self._index}-rx",
+                                     daemon=True)
                 self._threads.append(t)
             t.start()
 

@@ -886,7 +886,8 @@ class Window:
     def _do_put(self, seq: int, reg: _Registration, src: torch.Tensor, dst: int, off: int, timeout: float,
                 inline: bool) -> None:
         if self._res.reg is not reg:
-            raise WindowNotRegisteredError(f"put #{seq} on {self._where}: the tensor was deregistered before the put ran")
+            raise WindowNotRegisteredError(
+                f"put #{seq} on {self._where}: the tensor was deregistered before the put ran")
         n = src.numel()
         path = self._paths[dst]
         if path == TCP:
@@ -1045,7 +1046,8 @@ class Window:
                     raise problem
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise self._timeout_error("wait_signal", seq, timeout, f"waiting for a signal from rank {q}", inline)
+                    raise self._timeout_error("wait_signal", seq, timeout, f"waiting for a signal from rank {q}",
+                                              inline)
                 _atomics.futex_wait(addr, v, min(left, WAIT_SLICE_S))
         finally:
             _atomics.fetch_add(own.waiters_addr, _U64 - 1)
@@ -1120,7 +1122,8 @@ class Window:
                     host, _, port = a.rpartition(":")
                     addrs.append((host, int(port)))
             except ValueError:
-                raise WindowError(f"{op} on {self._where}: rank {q}'s window address is unreadable ({text[:80]!r})") from None
+                raise WindowError(
+                    f"{op} on {self._where}: rank {q}'s window address is unreadable ({text[:80]!r})") from None
             if q in self._res.watches:  # same host: loopback first
                 addrs.sort(key=lambda hp: not hp[0].startswith("127."))
             else:  # another host's loopback is our own: never try it
@@ -1188,7 +1191,8 @@ class Window:
         if q == self.rank:
             local = reg.local()
             if local is None:
-                raise WindowNotRegisteredError(f"{op} on {self._where}: the tensor registered with owning=False was freed")
+                raise WindowNotRegisteredError(
+                    f"{op} on {self._where}: the tensor registered with owning=False was freed")
             return local
         if self._paths[q] == TCP:
             raise WindowUsageError(

@@ -1,0 +1,183 @@
+"""The demo's training script, run by the launcher in every slot (and in warm spares).
+
+It trains :mod:`ftc10d.demo.model` with DDP through ftc10d and appends one JSON
+line per event to ``<out>/events/<slot>-<pid>.jsonl`` (written and flushed line by
+line, so the driver can tail it): ``start``, ``admitted``, ``step`` (committed or
+not, with loss and timings), the Manager's ``reconfigured`` / ``recovered`` /
+``sent_state`` / ``aborted_step`` / ``fenced``, ``fingerprint`` every
+``--fp-every`` committed steps, and ``final`` (state_hash) at the end.
+
+Usage (what the driver passes): ``worker.py --out DIR --steps N [--fp-every K] [--lr X]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+# Imported at the top so that a warm spare (ftc10d.launch.spare imports a script's top-level
+# imports before it is needed) pays for them: torch._dynamo is what the first optimizer
+# constructed imports (~2 s on a busy 2-core machine), torch.nn.parallel is DDP.
+import torch
+import torch._dynamo  # noqa: F401
+import torch.distributed as dist
+import torch.nn.parallel  # noqa: F401
+
+from ftc10d.demo.model import batch_for, loss_fn, make_student, make_teacher
+from ftc10d.train import ManagedOptimizer, Manager, init_from_env
+
+
+class EventLog:
+    """One JSONL file per process; ``emit`` writes a line and flushes it."""
+
+    def __init__(self, out: Path, slot: int) -> None:
+        folder = out / "events"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"{slot}-{os.getpid()}.jsonl"
+        self._f = open(self.path, "a", buffering=1)
+        self.slot = slot
+
+    def emit(self, kind: str, **info: Any) -> None:
+        rec = {"t": time.time(), "kind": kind, "pid": os.getpid(), "slot": self.slot, **info}
+        self._f.write(json.dumps(rec, default=str) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def warm_up() -> None:
+    """Pay torch's remaining first-use costs before this process is admitted, so that a
+    replacement is ready to train the moment it joins."""
+    torch.set_num_threads(1)
+    p = torch.nn.Parameter(torch.zeros(8))
+    opt = torch.optim.Adam([p])
+    (p * 2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ftc10d-demo-worker")
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--fp-every", type=int, default=10)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--plain", action="store_true", help="plain torch DDP over init_process_group('gloo') (bench)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(1)
+    slot = int(os.environ.get("RANK", "0"))
+    restart = int(os.environ.get("FTC10D_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    log = EventLog(Path(args.out), slot)
+    log.emit("start", restart=restart, plain=args.plain)
+    if args.plain:
+        return _plain(args, log, slot, restart)
+    return _ftc10d(args, log, slot, restart)
+
+
+def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> int:
+    # Everything that does not need the group comes before joining: once admitted, the others
+    # wait for this process at the next rendezvous.
+    warm_up()
+    teacher = make_teacher()
+    model = make_student(seed=slot + 1000 * restart)  # different on purpose: recovery makes replicas equal
+    optim = torch.optim.Adam(model.parameters(), lr=args.lr)
+    log.emit("ready")
+    pg, member = init_from_env()
+    manager = Manager(pg, member)
+    log.emit("admitted", rank=manager.rank, world_size=manager.world_size, epoch=manager.epoch)
+    fenced = []
+    manager.add_listener(lambda kind, info: log.emit(kind, **info))
+    manager.add_listener(lambda kind, info: fenced.append(1) if kind == "fenced" else None)
+    ddp = manager.ddp(model)
+    opt = ManagedOptimizer(manager, optim)
+    host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
+    control = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=30))
+    finished = f"ftc10d/demo/{os.environ.get('FTC10D_LAUNCH_ID', 'x')}/finished"
+    while manager.step < args.steps:
+        if fenced and control.check([finished]):
+            # Removed while frozen, and the others finished the job meanwhile: nothing to rejoin.
+            log.emit("left", step=manager.step, reason="the job finished while this worker was out")
+            return _exit(log, manager)
+        t0 = time.time()
+        opt.zero_grad()
+        t1 = time.time()
+        x, y = batch_for(teacher, manager.step, manager.rank, manager.world_size)
+        loss = loss_fn(ddp(x), y)
+        loss.backward()
+        ok = opt.step()
+        t2 = time.time()
+        log.emit("step", step=manager.step, ok=ok, loss=float(loss.detach()), t0=t0, t_start=t1 - t0, dt=t2 - t0,
+                 epoch=manager.epoch, rank=manager.rank, world_size=manager.world_size)
+        if ok and (manager.step % args.fp_every == 0 or manager.step == args.steps):
+            log.emit("fingerprint", step=manager.step, fp=manager.fingerprint())
+    log.emit("final", step=manager.step, hash=manager.state_hash(), epoch=manager.epoch, rank=manager.rank)
+    # Stay until every member of the last configuration finished, so that one leaving early
+    # does not look like a failure to the others' last step.
+    control.add(finished, 1)
+    deadline = time.monotonic() + 20
+    while int(control.add(finished, 0)) < manager.world_size and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return _exit(log, manager)
+
+
+def _exit(log: EventLog, manager: Any) -> int:
+    manager.close()
+    log.emit("exit", step=manager.step)
+    log.close()
+    # Hard exit: at interpreter teardown, Gloo threads of retired generations can abort the
+    # process ("terminate called without an active exception"), which a launcher reads as a crash.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _plain(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> int:
+    """The same job with torch's own DDP and a plain Gloo group (no fault tolerance): the bench baseline."""
+    warm_up()
+    teacher = make_teacher()
+    model = make_student(seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    log.emit("ready")
+    # torch 2.13's torchrun keeps one agent store across restarts, and a restarted group found
+    # the previous attempt's Gloo addresses there ("connectFullMesh failed ... Connection
+    # refused"): so the group's keys are namespaced by the attempt.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"ftc10d-demo/attempt/{restart}", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    log.emit("admitted", rank=rank, world_size=world, epoch=0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    step = 0
+    while step < args.steps:
+        t0 = time.time()
+        opt.zero_grad()
+        x, y = batch_for(teacher, step, rank, world)
+        loss = loss_fn(ddp(x), y)
+        loss.backward()
+        opt.step()
+        step += 1
+        t2 = time.time()
+        log.emit("step", step=step, ok=True, loss=float(loss.detach()), t0=t0, t_start=0.0, dt=t2 - t0, epoch=0,
+                 rank=rank, world_size=world)
+    dist.barrier()
+    log.emit("exit", step=step)
+    log.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
