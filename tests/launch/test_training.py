@@ -29,11 +29,11 @@ NPROC = 3
 class Run:
     """A launcher running train_job.py, and a client of its store to watch the job."""
 
-    def __init__(self, log_dir: Path, opts: dict[str, Any], *, spares: int = 1, hb: float = 1.0,
+    def __init__(self, log_dir: Path, opts: dict[str, Any], *, spares: int = 1, hb: float = 2.0,
                  max_restarts: int = 3) -> None:
         # Long enough that a replacement is in well before the end: the survivors of a short job
         # would finish and leave while it joins (it would then train alone, from nothing).
-        opts = {"steps": 60, "interval": 0.02, "finishers": NPROC, **opts}
+        opts = {"steps": 70, "interval": 0.02, "finishers": NPROC, **opts}
         self.steps = opts["steps"]
         env = {"FTC10D_TEST_OPTS": json.dumps(opts), "PYTHONPATH": child_env()["PYTHONPATH"]}
         self.launcher = Launcher(LaunchConfig(script=TRAIN_JOB, nproc_per_node=NPROC, spares=spares,
@@ -49,6 +49,11 @@ class Run:
     def step_now(self, slot: int) -> int:
         pid = self.launcher.pids().get(slot)
         return 0 if pid is None else self.progress(pid)
+
+    def fault_step(self) -> int:
+        """When to inject a fault: a few steps from now, and not before step 10 (past the start-up,
+        when 2 cores run every worker's and spare's imports and heartbeats may lapse)."""
+        return max(10, self.step_now(0) + 3)
 
     def wait_step(self, slot: int, step: int, timeout: float = 60.0) -> None:
         def reached() -> bool:
@@ -113,7 +118,7 @@ def test_sigkill_one_rank_respawned_from_a_warm_spare_catches_up(runs: list[Run]
     run = Run(tmp_path, {})
     runs.append(run)
     run.wait_spares()
-    at = run.step_now(0) + 3
+    at = run.fault_step()
     run.wait_step(0, at)
     victim = run.launcher.kill(1)
     results = run.finish()
@@ -146,7 +151,7 @@ def test_two_failures_in_a_row(runs: list[Run], tmp_path: Path) -> None:
     run = Run(tmp_path, {}, spares=2)
     runs.append(run)
     run.wait_spares(2)
-    run.wait_step(0, run.step_now(0) + 3)
+    run.wait_step(0, run.fault_step())
     run.launcher.kill(1)
     time.sleep(0.03)
     run.launcher.kill(2)
@@ -156,11 +161,11 @@ def test_two_failures_in_a_row(runs: list[Run], tmp_path: Path) -> None:
 
 
 def test_source_dies_while_sending_state_to_the_replacement(runs: list[Run], tmp_path: Path) -> None:
-    die = {"op": "send", "after_step": 1, "once": True}
+    die = {"op": "send", "after_step": 5, "once": True}
     run = Run(tmp_path, {"die": {"0": die, "2": die}}, spares=2)
     runs.append(run)
     run.wait_spares(2)
-    run.wait_step(0, run.step_now(0) + 3)
+    run.wait_step(0, run.fault_step())
     run.launcher.kill(1)
     run.finish()
     exits = [(e.slot, e.detail["signal"]) for e in run.launcher.events if e.kind == "exited"]
@@ -170,7 +175,7 @@ def test_source_dies_while_sending_state_to_the_replacement(runs: list[Run], tmp
 
 
 def test_member_dies_during_the_commit_vote(runs: list[Run], tmp_path: Path) -> None:
-    run = Run(tmp_path, {"die": {"2": {"op": "vote", "after_step": 12, "once": True}}})
+    run = Run(tmp_path, {"die": {"2": {"op": "vote", "after_step": 15, "once": True}}})
     runs.append(run)
     results = run.finish()
     exits = [(e.slot, e.detail["signal"]) for e in run.launcher.events if e.kind == "exited"]
