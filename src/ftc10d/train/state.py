@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -200,8 +200,48 @@ def _tensor_specs(node: Any, out: dict[int, tuple[str, list[int]]]) -> None:
                     _tensor_specs(v[1] if key == "D" else v, out)
 
 
-def unpack(skeleton: str, buffer: torch.Tensor) -> Any:
-    """The state dict described by ``skeleton``; its tensors are views of ``buffer``."""
+def _paths(node: Any, path: str, out: dict[int, str]) -> None:
+    if isinstance(node, dict):
+        if "T" in node:
+            out[int(node["T"])] = path
+        elif "D" in node:
+            for k, v in node["D"]:
+                _paths(v, f"{path}.{k!r}", out)
+        else:
+            for key in ("L", "U"):
+                for i, v in enumerate(node.get(key, ())):
+                    _paths(v, f"{path}[{i}]", out)
+
+
+def in_place_targets(skeleton: str, local: Any) -> dict[int, torch.Tensor]:
+    """Tensors of ``local`` (this rank's own state) that can receive the incoming tensor of the
+    same path, dtype and shape directly: index in ``skeleton`` -> local tensor.
+
+    Why: the joiner's model already has its parameters; receiving into them skips a fresh
+    buffer (page faults on every byte) and the copy of ``load_state_dict`` (which then copies
+    each tensor onto itself: a no-op)."""
+    doc = _load_skeleton(skeleton)
+    incoming: dict[int, str] = {}
+    _paths(doc["tree"], "state", incoming)
+    specs: dict[int, tuple[str, list[int]]] = {}
+    _tensor_specs(doc["tree"], specs)
+    lay = layout(local)
+    mine: dict[int, str] = {}
+    _paths(json.loads(lay.skeleton)["tree"], "state", mine)
+    by_path = {p: lay.tensors[i] for i, p in mine.items()}
+    out: dict[int, torch.Tensor] = {}
+    for i, path in incoming.items():
+        t = by_path.get(path)
+        if t is not None and t.is_contiguous() and i in specs:
+            name, shape = specs[i]
+            if str(t.dtype).removeprefix("torch.") == name and list(t.shape) == shape:
+                out[i] = t
+    return out
+
+
+def unpack(skeleton: str, buffer: torch.Tensor, received: Optional[dict[int, torch.Tensor]] = None) -> Any:
+    """The state dict described by ``skeleton``; its tensors are views of ``buffer``, except
+    those in ``received`` (index -> a tensor the bytes were received into directly)."""
     doc = _load_skeleton(skeleton)
     if int(doc["nbytes"]) != buffer.numel():
         raise StateFormatError(f"state buffer has {buffer.numel()} bytes, the skeleton describes {doc['nbytes']}")
@@ -221,6 +261,9 @@ def unpack(skeleton: str, buffer: torch.Tensor) -> Any:
         off = int(offsets[i])
         if off < 0 or off + n > buffer.numel():
             raise StateFormatError(f"state tensor {i} lies outside the buffer")
+        if received is not None and i in received:
+            views.append(received[i])
+            continue
         views.append(buffer[off:off + n].view(dtype).reshape(shape))
     return _decode(doc["tree"], views)
 
