@@ -96,7 +96,9 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
     rows = []
     for f in report["faults"]:
         extra = ""
-        if f["kind"] == "join":
+        if f["kind"] == "join" and f.get("too_late"):
+            extra = f"{'warm' if f.get('warm') else 'cold'}; the job finished before it could join"
+        elif f["kind"] == "join":
             extra = f"{'warm' if f.get('warm') else 'cold'}; first commit {_fmt(f.get('first_commit_s'))} after " \
                     f"hand-over, {_fmt(f.get('since_kill_s'))} after the kill"
         elif f["kind"] == "freeze":

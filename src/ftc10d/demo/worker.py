@@ -108,9 +108,10 @@ def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) ->
     control = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=30))
     finished = f"ftc10d/demo/{os.environ.get('FTC10D_LAUNCH_ID', 'x')}/finished"
     while manager.step < args.steps:
-        if fenced and control.check([finished]):
-            # Removed while frozen, and the others finished the job meanwhile: nothing to rejoin.
-            log.emit("left", step=manager.step, reason="the job finished while this worker was out")
+        if (fenced or restart) and control.check([finished]):
+            # A replacement or a rejoining worker that arrives after the others finished would
+            # otherwise train the whole job again, alone: there is nothing left to join.
+            log.emit("left", step=manager.step, reason="the job finished before this worker (re)joined")
             return _exit(log, manager)
         t0 = time.time()
         opt.zero_grad()
