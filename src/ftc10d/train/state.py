@@ -144,8 +144,22 @@ def segments(sizes: list[int], offsets: list[int]) -> list[tuple[int, int, list[
     return out
 
 
+#: What a malformed skeleton (valid JSON, wrong shape) raises while it is walked; all of
+#: it becomes StateFormatError (RecursionError, a RuntimeError, for absurd nesting).
+_MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError, RuntimeError)
+
+
 def skeleton_sizes(skeleton: str) -> tuple[list[int], list[int], int]:
     """Byte size and offset of every tensor described by a (validated) skeleton, and the total."""
+    try:
+        return _skeleton_sizes(skeleton)
+    except StateFormatError:
+        raise
+    except _MALFORMED as exc:
+        raise StateFormatError(f"malformed state skeleton: {type(exc).__name__}: {exc}") from None
+
+
+def _skeleton_sizes(skeleton: str) -> tuple[list[int], list[int], int]:
     doc = _load_skeleton(skeleton)
     specs: dict[int, tuple[str, list[int]]] = {}
     _tensor_specs(doc["tree"], specs)
@@ -159,6 +173,8 @@ def skeleton_sizes(skeleton: str) -> tuple[list[int], list[int], int]:
             raise StateFormatError(f"state tensor {i} has unknown dtype {name!r}")
         count = 1
         for d in shape:
+            if d < 0:
+                raise StateFormatError(f"state tensor {i} has a negative dimension {d}")
             count *= d
         sizes.append(count * torch.empty((), dtype=dtype).element_size())
     return sizes, [int(o) for o in doc["offsets"]], int(doc["nbytes"])
@@ -222,9 +238,12 @@ def in_place_targets(skeleton: str, local: Any) -> dict[int, torch.Tensor]:
     each tensor onto itself: a no-op)."""
     doc = _load_skeleton(skeleton)
     incoming: dict[int, str] = {}
-    _paths(doc["tree"], "state", incoming)
     specs: dict[int, tuple[str, list[int]]] = {}
-    _tensor_specs(doc["tree"], specs)
+    try:
+        _paths(doc["tree"], "state", incoming)
+        _tensor_specs(doc["tree"], specs)
+    except _MALFORMED as exc:
+        raise StateFormatError(f"malformed state skeleton: {type(exc).__name__}: {exc}") from None
     lay = layout(local)
     mine: dict[int, str] = {}
     _paths(json.loads(lay.skeleton)["tree"], "state", mine)
@@ -241,7 +260,17 @@ def in_place_targets(skeleton: str, local: Any) -> dict[int, torch.Tensor]:
 
 def unpack(skeleton: str, buffer: torch.Tensor, received: Optional[dict[int, torch.Tensor]] = None) -> Any:
     """The state dict described by ``skeleton``; its tensors are views of ``buffer``, except
-    those in ``received`` (index -> a tensor the bytes were received into directly)."""
+    those in ``received`` (index -> a tensor the bytes were received into directly).
+    A skeleton that does not describe ``buffer`` raises StateFormatError, nothing else."""
+    try:
+        return _unpack(skeleton, buffer, received)
+    except StateFormatError:
+        raise
+    except _MALFORMED as exc:
+        raise StateFormatError(f"malformed state skeleton: {type(exc).__name__}: {exc}") from None
+
+
+def _unpack(skeleton: str, buffer: torch.Tensor, received: Optional[dict[int, torch.Tensor]]) -> Any:
     doc = _load_skeleton(skeleton)
     if int(doc["nbytes"]) != buffer.numel():
         raise StateFormatError(f"state buffer has {buffer.numel()} bytes, the skeleton describes {doc['nbytes']}")
@@ -256,6 +285,8 @@ def unpack(skeleton: str, buffer: torch.Tensor, received: Optional[dict[int, tor
             raise StateFormatError(f"state tensor {i} has unknown dtype {name!r}")
         count = 1
         for s in shape:
+            if s < 0:
+                raise StateFormatError(f"state tensor {i} has a negative dimension {s}")
             count *= s
         n = count * torch.empty((), dtype=dtype).element_size()
         off = int(offsets[i])
