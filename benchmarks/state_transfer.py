@@ -1,9 +1,10 @@
 """Live state recovery throughput: ftc10d's transfer vs a raw Gloo broadcast of the same bytes.
 
-What a joiner waits for: the source packs its state (model + Adam state: three
-float32 tensors per parameter) into one buffer and sends the skeleton and the
-buffer over the group; the joiner unpacks views of it and loads them into its
-model and optimizer. Baseline: ``ProcessGroupGloo.broadcast`` of one uint8
+What a joiner waits for: the source sends its state (model + Adam state: three
+float32 tensors per parameter) over the group: a skeleton, then big tensors
+straight from their memory; the joiner (its own model, an optimizer with no
+state yet) receives its model's tensors in place and the rest into one buffer,
+and loads them into its model and optimizer. Baseline: ``ProcessGroupGloo.broadcast`` of one uint8
 tensor of the same byte count between the same ranks (what the transfer would
 cost with no packing, framing or loading at all).
 
@@ -70,9 +71,11 @@ def worker(rank: int, world: int, port: int, params: int, trials: int, fresh: li
 
     ours, base, nbytes = [], [], 0
     for t in range(trials + 1):  # the first round warms both paths
+        if rank in fresh:  # a joiner: its own model, a fresh optimizer with no state yet
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         store_barrier(store, f"a{t}", world)
         t0 = time.perf_counter()
-        state, moved, _ = transfer(pg, plan, get_state)
+        state, moved, _ = transfer(pg, plan, get_state, get_state if rank in fresh else None)
         if state is not None:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optim"])

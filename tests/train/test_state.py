@@ -69,3 +69,25 @@ def test_corrupt_or_foreign_skeletons_are_rejected() -> None:
     doc["offsets"][0] = 10**9
     with pytest.raises(StateFormatError, match="outside"):
         unpack(json.dumps(doc), packed.buffer)
+
+
+def test_in_place_targets_match_by_path_dtype_and_shape() -> None:
+    from ftc10d.train.state import in_place_targets
+
+    src_model, src_opt = _model_and_adam()
+    packed = pack({"model": src_model.state_dict(), "optim": src_opt.state_dict()})
+    joiner = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))  # fresh: no Adam state yet
+    fresh_opt = torch.optim.Adam(joiner.parameters(), lr=1e-3)
+    local = {"model": joiner.state_dict(), "optim": fresh_opt.state_dict()}
+    into = in_place_targets(packed.skeleton, local)
+    # every model tensor has a home on the joiner; the optimizer's state does not exist there yet
+    assert sorted(t.data_ptr() for t in into.values()) == sorted(p.data_ptr() for p in joiner.parameters())
+    # a different shape or dtype at the same path is never a target
+    other = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))  # only "2.bias" ([3]) still fits
+    assert [t.data_ptr() for t in in_place_targets(packed.skeleton, {"model": other.state_dict()}).values()] == \
+        [other[2].bias.data_ptr()]
+    assert in_place_targets(packed.skeleton, {"model": joiner.double().state_dict()}) == {}
+    # received tensors stand in for their views; the rest still come from the buffer
+    state = unpack(packed.skeleton, packed.buffer, into)
+    assert all(any(v is t for t in into.values()) for v in state["model"].values())
+    assert torch.equal(state["optim"]["state"][0]["exp_avg"], src_opt.state_dict()["state"][0]["exp_avg"])

@@ -43,8 +43,12 @@ from typing import Any, NoReturn, Optional
 
 logger = logging.getLogger("ftc10d")
 
-#: What every worker imports, whatever its script says (the ftc10d layers a worker uses).
-BASE_MODULES = ("torch", "torch.distributed", "ftc10d", "ftc10d.pg", "ftc10d.membership", "ftc10d.train")
+#: What every worker imports, whatever its script says: the ftc10d layers a worker uses, and
+#: what torch imports lazily on the first optimizer a script builds (``torch._dynamo``, about
+#: 1.5 s): a replacement builds its optimizer right after it was admitted, while the
+#: survivors wait for it at the next step.
+BASE_MODULES = ("torch", "torch.distributed", "ftc10d", "ftc10d.pg", "ftc10d.membership", "ftc10d.train",
+                "torch.optim", "torch._dynamo", "torch.nn.parallel")
 
 
 def _imports_of(stmts: list[ast.stmt]) -> list[str]:

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
-from ftc10d.launch import spare as spare_mod
 from ftc10d.launch.config import LaunchConfig, parse_address
 from ftc10d.launch.env import base_env, worker_env
 from ftc10d.types import InvalidOptionError
@@ -53,6 +52,9 @@ DEFAULT_GRACE_S = 5.0
 MAX_SPARE_FAILURES = 3
 #: Poll period when pidfds are unavailable (waitpid polling).
 _FALLBACK_POLL_S = 0.005
+
+#: spare.py, run by its path for a cold start (``-m ftc10d.launch.spare`` would import torch first).
+_SPARE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spare.py")
 
 EventCallback = Callable[["LaunchEvent"], None]
 
@@ -365,7 +367,7 @@ class Launcher:
             proc = spare
             proc.slot, proc.restart, proc.warm, proc.started = slot.index, slot.restarts, True, time.monotonic()
         else:
-            popen, files = self._popen([cfg.python, spare_mod.__file__, "--run", cfg.script, *cfg.script_args], env,
+            popen, files = self._popen([cfg.python, _SPARE_FILE, "--run", cfg.script, *cfg.script_args], env,
                                        f"worker{slot.index}.{slot.restarts}")
             proc = _Proc(popen, _pidfd(popen.pid), slot.index, slot.restarts, files=files)
         with self._lock:
@@ -656,10 +658,13 @@ class Launcher:
 
 
 def run(config: LaunchConfig, on_event: Optional[EventCallback] = None) -> int:
-    """Run a job to its end in this thread, stopping it cleanly on SIGINT/SIGTERM (main thread only)."""
+    """Run a job to its end in this thread (what ``ftc10d launch`` does); called on the main
+    thread, SIGINT/SIGTERM stop the job cleanly (forwarded, then SIGKILL after the grace)."""
     launcher = Launcher(config, on_event)
-    previous = {sig: signal.signal(sig, lambda signum, _frame: launcher.stop(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread only
+        previous = {sig: signal.signal(sig, lambda signum, _frame: launcher.stop(signum))
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         launcher.start()
         return launcher.wait()

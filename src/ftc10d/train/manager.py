@@ -334,7 +334,9 @@ class Manager:
                     self.member.wait_next(self._target_epoch - 1, timeout=left)
                 cfg = self.member.sync(self.pg, timeout=left)
                 plan = make_plan(self.pg, self.step, self._synced)
-                state, nbytes, secs = transfer(self.pg, plan, self.state_dict)
+                # A rank that was never synced (a joiner) may be overwritten while its state arrives.
+                state, nbytes, secs = transfer(self.pg, plan, self.state_dict,
+                                               None if self._synced else self.state_dict)
             except Fenced as exc:
                 self._on_fenced(exc)
                 continue

@@ -26,7 +26,16 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ftc10d.train.state import DIRECT_BYTES, StateFormatError, as_bytes, layout, segments, skeleton_sizes, unpack
+from ftc10d.train.state import (
+    DIRECT_BYTES,
+    StateFormatError,
+    as_bytes,
+    in_place_targets,
+    layout,
+    segments,
+    skeleton_sizes,
+    unpack,
+)
 
 logger = logging.getLogger("ftc10d")
 
@@ -69,7 +78,8 @@ def make_plan(pg: Any, step: int, synced: bool) -> Plan:
     return Plan(source, recipients, target, steps, flags)
 
 
-def transfer(pg: Any, plan: Plan, get_state: Callable[[], Any]) -> tuple[Optional[Any], int, float]:
+def transfer(pg: Any, plan: Plan, get_state: Callable[[], Any],
+             local_state: Optional[Callable[[], Any]] = None) -> tuple[Optional[Any], int, float]:
     """Run ``plan``: returns ``(state or None, bytes moved, seconds)`` on this rank.
 
     The source sends a header (skeleton length, buffer length), the JSON
@@ -77,7 +87,10 @@ def transfer(pg: Any, plan: Plan, get_state: Callable[[], Any]) -> tuple[Optiona
     a big tensor goes straight from its own memory, small neighbours are copied
     into one message. The receivers receive each message into its place in one
     flat buffer, whose layout both sides derive from the skeleton; the state's
-    tensors are then views of that buffer. All messages are issued before any
+    tensors are then views of that buffer. With ``local_state`` (a recipient whose
+    own state may be overwritten while it arrives: a joiner), a tensor sent as a
+    message of its own goes straight into the recipient's tensor of the same path,
+    dtype and shape (:func:`ftc10d.train.state.in_place_targets`). All messages are issued before any
     is waited for, so they stream back to back.
     """
     me = pg.rank()
@@ -127,10 +140,18 @@ def transfer(pg: Any, plan: Plan, get_state: Callable[[], Any]) -> tuple[Optiona
     sizes, offsets, total = skeleton_sizes(skeleton)
     if total != int(header[1]) or any(o < 0 or o + n > total for o, n in zip(offsets, sizes)):
         raise StateFormatError("the state skeleton does not fit the announced buffer; is the source's ftc10d the same?")
-    buffer = torch.empty(total, dtype=torch.uint8)
-    works = [move(buffer[start:end], 2 + k) for k, (start, end, _) in enumerate(segments(sizes, offsets))]
+    buffer = torch.empty(total, dtype=torch.uint8)  # untouched where tensors are received in place
+    fits = in_place_targets(skeleton, local_state()) if local_state is not None and me in plan.recipients else {}
+    into: dict[int, torch.Tensor] = {}  # the tensors that do receive in place: alone in their message
+    works = []
+    for k, (start, end, idx) in enumerate(segments(sizes, offsets)):
+        if len(idx) == 1 and idx[0] in fits:
+            into[idx[0]] = fits[idx[0]]
+            works.append(move(as_bytes(fits[idx[0]]), 2 + k))
+        else:
+            works.append(move(buffer[start:end], 2 + k))
     for w in works:
         w.wait()
     if me not in plan.recipients:
         return None, 0, time.perf_counter() - t0
-    return unpack(skeleton, buffer), int(skel.numel()) + total, time.perf_counter() - t0
+    return unpack(skeleton, buffer, into), int(skel.numel()) + total, time.perf_counter() - t0
