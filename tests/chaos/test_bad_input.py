@@ -32,11 +32,11 @@ from ftc10d.membership.agreement import Configuration, MemberInfo, cfg_key  # no
 from ftc10d.membership.records import Signer  # noqa: E402
 from ftc10d.pg.handles import check_handle, new_handle, plan_reconfigure  # noqa: E402
 from ftc10d.train import recovery  # noqa: E402
-from ftc10d.train.state import StateFormatError, pack, skeleton_sizes, unpack  # noqa: E402
+from ftc10d.train.state import StateFormatError, in_place_targets, pack, skeleton_sizes, unpack  # noqa: E402
 from ftc10d.types import FTC10DError, InvalidOptionError, ReconfigureError  # noqa: E402
 from tests import harness  # noqa: E402
 
-FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 T = timedelta(seconds=30)
 
 json_values = st.recursive(
@@ -171,7 +171,8 @@ state_trees = st.recursive(
 def test_garbage_skeletons_raise_state_format_error(tree: Any, offsets: Any, nbytes: Any) -> None:
     buffer = pack({"w": torch.arange(8.0), "step": 3}).buffer
     doc = json.dumps({"format": "ftc10d-state-1", "tree": tree, "offsets": offsets, "nbytes": nbytes})
-    for fn in (lambda: skeleton_sizes(doc), lambda: unpack(doc, buffer)):
+    local = {"w": torch.zeros(8), "step": 0}
+    for fn in (lambda: skeleton_sizes(doc), lambda: unpack(doc, buffer), lambda: in_place_targets(doc, local)):
         try:
             fn()
         except StateFormatError:
