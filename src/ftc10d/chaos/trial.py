@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ftc10d.chaos import checks
+from ftc10d.chaos.coordinator import CoordinatorProcess
 from ftc10d.chaos.netns import Hosts
 from ftc10d.chaos.schedule import Fault, TrialSpec, hosts_of
 
@@ -122,6 +123,7 @@ class Trial:
         self.stopped: set[int] = set()
         self.timers: list[tuple[float, Callable[[], None]]] = []
         self.net = Hosts(spec.hosts)
+        self.coord: Optional[CoordinatorProcess] = None
         self.notes: list[str] = []
         self.killed: set[int] = set()
         self.t_close = float("inf")
@@ -146,6 +148,11 @@ class Trial:
         pythonpath = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
         die = self._die_opts()
         address: Optional[str] = None
+        if any(f.kind == "store" for f in self.spec.faults):
+            self.coord = CoordinatorProcess(self.net.ip_of(0) if self.spec.hosts > 1 else "127.0.0.1",
+                                            self.spec.heartbeat_timeout, {"PYTHONPATH": pythonpath})
+            self.coord.start()
+            address = self.coord.address
         for host in range(self.spec.hosts):
             slots = [s for s, h in enumerate(self.host_of) if h == host]
             opts = {"out": str(self.folder), "trial": self.trial_id, "steps": self.spec.steps,
@@ -201,7 +208,8 @@ class Trial:
     def _inject(self, inj: Injected) -> bool:
         """Fire ``inj``'s fault now if its target is there; False to try again next tick."""
         f, now = inj.fault, time.time()
-        targets = [f.slot, f.slot2] if f.kind == "double" else [] if f.kind in ("partition", "die_vote") else [f.slot]
+        targets = [f.slot, f.slot2] if f.kind == "double" else [] if f.kind in ("partition", "die_vote", "store") \
+            else [f.slot]
         if any(self._pid(s) is None for s in targets if s is not None):
             return False
         inj.t_fault = now
@@ -227,6 +235,10 @@ class Trial:
                 inj.t_end = time.time()
             else:
                 self._at(now + (f.duration or 2 * hb), lambda: self._resume(inj, second))
+        elif f.kind == "store":
+            assert self.coord is not None
+            self.coord.kill()
+            self._at(now + (f.duration or 1.0), lambda: self._restart_store(inj))
         elif f.kind == "partition":
             self.net.cut(f.slot)
             inj.pids = [p for s, h in enumerate(self.host_of) if h == f.slot and (p := self._pid(s)) is not None]
@@ -239,6 +251,11 @@ class Trial:
 
     def _resume(self, inj: Injected, pid: int) -> None:
         self._cont(pid)
+        inj.t_end = time.time()
+
+    def _restart_store(self, inj: Injected) -> None:
+        assert self.coord is not None
+        self.coord.start()
         inj.t_end = time.time()
 
     def _heal(self, inj: Injected, host: int) -> None:
@@ -347,6 +364,9 @@ class Trial:
                 self.pids.update(launcher.spare_pids())
                 self.pids.update(launcher.pids().values())
                 launcher.close()
+            if self.coord is not None:
+                self.coord.kill()
+                self.pids.update(self.coord.pids)
             self.net.close()
         duration = time.time() - self.t0
         events = checks.read_events(self.events_dir)
