@@ -2,7 +2,8 @@
 launcher, real signals; every invariant check must come back clean.
 
 Seed 6 with 2 trials of 100 steps draws: a SIGSTOP past the heartbeat timeout (removed, fenced,
-rejoins); and a SIGKILL, then a survivor that dies as it sends the state to a replacement. About 2 minutes on 2 busy cores. The long run is documented in docs/reliability.md.
+rejoins); and a SIGKILL, then a survivor that dies as it sends the state to a replacement.
+About 2 minutes on 2 busy cores. The long run is documented in docs/reliability.md.
 """
 
 from __future__ import annotations
