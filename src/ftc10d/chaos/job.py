@@ -6,7 +6,8 @@ to ``<out>/events/<slot>-<pid>.jsonl``, one ``write`` per line, so a SIGKILL los
 nothing already written and the files outlive the coordinator store:
 
 - ``start``; ``admitted`` (member id, epoch, rank, world size);
-- ``commit`` per committed step: step, state fingerprint, member id, epoch;
+- ``commit`` per committed step: step, state fingerprint, member id, epoch (the member's
+  newest, which may run ahead of the step's), uuid of the configuration the step ran in;
 - ``aborted`` per step not committed; the Manager's ``reconfigured`` /
   ``recovered`` (with the fingerprint of the received state) / ``sent_state`` /
   ``aborted_step`` / ``fenced`` (with the member id that was fenced);
@@ -95,15 +96,17 @@ class Control:
         self._store: Any = None
 
     def call(self, fn: Callable[[dist.TCPStore], Any]) -> Any:
-        try:
-            if self._store is None:
-                host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
-                self._store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
-                                            timeout=timedelta(seconds=5))
-            return fn(self._store)
-        except Exception:
-            self._store = None
-            raise
+        for attempt in (0, 1):  # a connection from before a store restart fails once: reconnect
+            try:
+                if self._store is None:
+                    host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
+                    self._store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+                                                timeout=timedelta(seconds=5))
+                return fn(self._store)
+            except Exception:
+                self._store = None
+                if attempt:
+                    raise
 
 
 def _finished(control: Control, key: str) -> bool:
@@ -192,7 +195,7 @@ def main() -> int:
         loss.backward()
         if opt.step():
             log.emit("commit", step=manager.step, fp=manager.fingerprint(), member=manager.member.id,
-                     epoch=manager.epoch, world_size=manager.world_size)
+                     epoch=manager.epoch, uuid=pg.uuid, world_size=manager.world_size)
         else:
             log.emit("aborted", step=manager.step, member=manager.member.id)
         if interval:

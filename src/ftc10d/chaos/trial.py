@@ -365,7 +365,7 @@ class Trial:
                 self.pids.update(launcher.pids().values())
                 launcher.close()
             if self.coord is not None:
-                self.coord.kill()
+                self.coord.close()
                 self.pids.update(self.coord.pids)
             self.net.close()
         duration = time.time() - self.t0
@@ -376,6 +376,7 @@ class Trial:
         violations += self._unexpected_exits(events)
         violations += checks.check_commits(events, spec.steps)
         violations += checks.check_fencing(events, chain)
+        violations += checks.check_lineage(events)
         for inj in pending:
             if inj.skipped is None:
                 inj.skipped = "never injected (the job ended or hung first)"
