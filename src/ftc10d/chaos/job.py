@@ -27,6 +27,7 @@ Kept free of ``tests/`` so that ``ftc10d chaos`` runs from an installed package.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -134,6 +135,9 @@ def _exit(log: EventLog, code: int = 0) -> None:
 
 def main() -> int:
     opts = json.loads(os.environ[OPTS_ENV])
+    # The library's own account of every reconfiguration, into the worker's log file: what a
+    # failed trial is diagnosed from.
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {os.getpid()} %(name)s %(levelname)s: %(message)s")
     torch.set_num_threads(1)
     slot = int(opts.get("rank_base", 0)) + int(os.environ.get("LOCAL_RANK", "0"))
     # The launcher of one host only knows its own workers; the job's size is the trial's.
