@@ -11,8 +11,8 @@ nothing already written and the files outlive the coordinator store:
 - ``aborted`` per step not committed; the Manager's ``reconfigured`` /
   ``recovered`` (with the fingerprint of the received state) / ``sent_state`` /
   ``aborted_step`` / ``fenced`` (with the member id that was fenced);
-- ``final`` (state_hash) at the last step, ``left`` if it was fenced after the job
-  finished, ``exit``.
+- ``final`` (state_hash) at the last step, ``left`` if it was out of the job (fenced,
+  or left out of a re-formed configuration) when the others finished, ``exit``.
 
 Options come as JSON in ``$FTC10D_CHAOS_OPTS``: ``out``, ``trial``, ``steps``,
 ``interval``, ``world`` and ``rank_base`` (a trial with several hosts runs one
@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 # Top-level imports: a warm spare imports these before it is needed.
 import torch
@@ -47,6 +47,8 @@ from ftc10d.train import ManagedOptimizer, Manager, init_from_env
 
 OPTS_ENV = "FTC10D_CHAOS_OPTS"
 IN, HIDDEN, OUT, GLOBAL_BATCH = 32, 64, 4, 64
+#: A worker short of the final step this long after the first one finished is out of the job.
+STRANDED_S = 10.0
 
 
 def batch_for(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,29 +161,31 @@ def main() -> int:
     manager = Manager(pg, member, sync_timeout=120.0)
     log.emit("admitted", member=member.id, epoch=manager.epoch, rank=manager.rank, world_size=manager.world_size)
 
-    back = threading.Event()
-    back.set()
+    done = threading.Event()
 
     def watch_finish() -> None:
-        """Once fenced, this worker rejoins; if the others finish the job before it is back in a
-        configuration, there is nothing left to rejoin (no configuration will form again): leave."""
+        """A worker left out of the last configuration (fenced and rejoining, or re-forming
+        after a store restart) waits for a configuration that will never form once the
+        others finished and left. The others reach the final step within milliseconds of
+        each other, so a worker still short of it 10 s after the first finisher is stranded:
+        it leaves, which is what a job would do."""
         store = Control()  # a connection of its own: TCPStore clients are not thread-safe
-        while not back.is_set():
-            if _finished(store, finished):
-                log.emit("left", reason="fenced, and the job finished while it was out", step=manager.step)
+        first: Optional[float] = None
+        while not done.is_set():
+            if first is None and _finished(store, finished):
+                first = time.monotonic()
+            if first is not None and time.monotonic() - first > STRANDED_S and not done.is_set():
+                log.emit("left", reason="the job finished while this worker was out of it", step=manager.step)
                 _exit(log)
-            time.sleep(0.1)
+            time.sleep(0.2)
+
+    threading.Thread(target=watch_finish, name="chaos-finish-watch", daemon=True).start()
 
     def on_event(kind: str, info: dict[str, Any]) -> None:
         extra: dict[str, Any] = {"member": manager.member.id, "epoch_now": manager.epoch}
         if kind == "recovered":
             extra["fp"] = manager.fingerprint()
         log.emit(kind, **info, **extra)
-        if kind == "fenced" and back.is_set():
-            back.clear()
-            threading.Thread(target=watch_finish, name="chaos-finish-watch", daemon=True).start()
-        elif kind == "reconfigured":
-            back.set()
 
     manager.add_listener(on_event)
     ddp = manager.ddp(model)
@@ -204,6 +208,7 @@ def main() -> int:
             log.emit("aborted", step=manager.step, member=manager.member.id)
         if interval:
             time.sleep(interval)
+    done.set()
     log.emit("final", step=manager.step, hash=manager.state_hash(), member=manager.member.id)
     # Stay until every member of the last configuration finished, so that one leaving early
     # does not look like a failure to the others' last step.
