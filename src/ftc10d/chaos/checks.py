@@ -307,25 +307,9 @@ def leaked_shm(before: set[str], pids: set[int]) -> tuple[list[str], list[str]]:
     return ours, [n for n in new if n not in ours]
 
 
-def listening_ports() -> set[int]:
-    """TCP ports in LISTEN state in this network namespace (IPv4 and IPv6)."""
-    out = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f)
-                for line in f:
-                    parts = line.split()
-                    if len(parts) > 3 and parts[3] == "0A":
-                        out.add(int(parts[1].rpartition(":")[2], 16))
-        except (OSError, StopIteration):
-            continue
-    return out
-
-
-def own_listening_sockets() -> int:
-    """How many listening TCP sockets this process holds (the chaos runner outlives trials)."""
-    inodes = set()
+def _listening() -> list[tuple[int, str]]:
+    """(port, socket inode) of every TCP socket in LISTEN state in this network namespace."""
+    out = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
@@ -333,9 +317,20 @@ def own_listening_sockets() -> int:
                 for line in f:
                     parts = line.split()
                     if len(parts) > 9 and parts[3] == "0A":
-                        inodes.add(parts[9])
+                        out.append((int(parts[1].rpartition(":")[2], 16), parts[9]))
         except (OSError, StopIteration):
             continue
+    return out
+
+
+def listening_ports() -> set[int]:
+    """TCP ports in LISTEN state in this network namespace (IPv4 and IPv6)."""
+    return {port for port, _ in _listening()}
+
+
+def own_listening_sockets() -> int:
+    """How many listening TCP sockets this process holds (the chaos runner outlives trials)."""
+    inodes = {inode for _, inode in _listening()}
     count = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
