@@ -372,7 +372,7 @@ class Trial:
             violations.append(f"leaked /dev/shm entries: {leaked}")
         if other:
             self.notes.append(f"new /dev/shm entries not attributable to the trial: {other[:5]}")
-        if coordinator_port is not None and self.spec.hosts == 1 and coordinator_port in checks.listening_ports():
+        if coordinator_port is not None and coordinator_port in checks.listening_ports():
             violations.append(f"the coordinator's port {coordinator_port} is still listening")
         if checks.own_listening_sockets() > sockets_before:
             violations.append("the chaos runner holds more listening sockets than before the trial")
