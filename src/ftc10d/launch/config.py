@@ -83,6 +83,9 @@ class LaunchConfig:
         if self.nnodes > 1 and self.coordinator is None and self.node_rank != 0:
             raise InvalidOptionError("on a node other than node 0, give --coordinator HOST:PORT (node 0's launcher "
                                      "or an `ftc10d coordinator`), so that every node joins the same membership")
+        if self.nnodes > 1 and self.coordinator is None and self.host in ("127.0.0.1", "localhost", "::1"):
+            raise InvalidOptionError("with --nnodes > 1, node 0's embedded coordinator must be reachable from the "
+                                     "other nodes: give --host 0.0.0.0 (or this node's address) and a fixed --port")
         if not 0 <= self.port <= 65535:
             raise InvalidOptionError(f"--port must be in [0, 65535] (got {self.port}); 0 picks a free port")
         if self.coordinator is not None:
