@@ -21,7 +21,7 @@ STAMP214 := $(VENV214)/.ftc10d-installed
 .PHONY: help etcd venv venv214 test test-torch214 demo bench clean distclean
 
 help:  ## list the targets
-	@echo "make demo            kill a rank of a 4-rank job and watch it recover in place"
+	@echo "make demo            train on 4 workers while one is killed and one frozen; watch it recover in place"
 	@echo "make test            run the test suite (torch $(TORCH_VERSION) CPU, in $(VENV))"
 	@echo "make test-torch214   run the test suite on torch $(TORCH214_VERSION) (in $(VENV214))"
 	@echo "make bench           run the scripts in benchmarks/"
@@ -75,7 +75,7 @@ bench: $(STAMP)
 	if [ $$found = 0 ]; then echo "no benchmarks in benchmarks/ yet"; fi
 
 clean:
-	rm -rf build dist src/*.egg-info .pytest_cache
+	rm -rf build dist src/*.egg-info .pytest_cache demo-out bench-out
 	find . -path ./$(VENV) -prune -o -path ./$(VENV214) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean

@@ -1,9 +1,11 @@
 """``ftc10d bench recovery``: what ftc10d costs per step and what it saves at a fault.
 
-(a) Overhead: the demo's job (same model, data and worker script) with plain torch
-    DDP over ``init_process_group("gloo")`` under torchrun, and through ftc10d under
-    ``ftc10d.launch``, no faults; runs interleaved (plain, ftc10d, ftc10d, plain, ...);
-    median interval between consecutive committed steps, warm-up excluded.
+(a) Overhead, no faults: the demo's job (same model, data and worker script) with plain
+    torch DDP over ``init_process_group("gloo")`` and through ftc10d. Measured two ways:
+    in the same 4 processes, alternating blocks of 25 steps (ABBA), which sees the same
+    machine load on both sides (the figure the target is checked against); and as separate
+    runs (torchrun vs ftc10d launch), interleaved, which on a shared machine is noisy.
+    Median interval between consecutive committed steps, warm-up excluded.
 (b) Recovery after a SIGKILL: ftc10d (survivors' first commit after the kill, stall,
     the warm replacement's first commit; a freeze too) vs ``torchrun --max-restarts 1``
     with the plain script (time from the kill to the first step after the restart;
@@ -89,6 +91,36 @@ def run_ftc10d(out: Path, world: int, steps: int, faults: str = "none", hb: floa
     return report
 
 
+def ab_blocks(out: Path, world: int, steps: int, block: int) -> dict[str, Any]:
+    """Plain DDP and ftc10d DDP in alternating blocks inside the same 4 processes (``worker.py --ab-block``)."""
+    cfg = DemoConfig(out, world_size=world, steps=steps, spares=0, extra_args=["--ab-block", str(block)])
+    run_demo(cfg, NullView())
+    events = [e for e in load_events(out) if e["kind"] == "step"]
+    commits: dict[int, tuple[float, str, int]] = {}
+    for e in events:
+        k = e["step"]
+        if k not in commits or e["t"] < commits[k][0]:
+            commits[k] = (e["t"], e["mode"], e["block"])
+    per_block: dict[int, list[float]] = {}
+    mode_of: dict[int, str] = {}
+    items = sorted(commits.items())
+    for (k0, (t0, m0, b0)), (k1, (t1, m1, b1)) in zip(items, items[1:]):
+        if k1 == k0 + 1 and b0 == b1 and k1 - b1 * block > 3 and b1 >= 2:  # skip each block's first steps, and
+            per_block.setdefault(b1, []).append(t1 - t0)                 # the first two blocks (warm-up)
+            mode_of[b1] = m1
+    med = {b: statistics.median(v) for b, v in per_block.items()}
+    ratios = []
+    for b in sorted(med):
+        partner = b + 1 if b % 2 == 0 else b - 1
+        if mode_of.get(b) == "ftc10d" and partner in med:
+            ratios.append(med[b] / med[partner])
+    pooled = {m: statistics.median([x for b, v in per_block.items() if mode_of[b] == m for x in v])
+              for m in ("plain", "ftc10d") if any(mode_of[b] == m for b in per_block)}
+    return {"block_steps": block, "blocks": len(med), "plain_median_step_s": pooled.get("plain"),
+            "ftc10d_median_step_s": pooled.get("ftc10d"), "paired_ratios": ratios,
+            "ratio": statistics.median(ratios) if ratios else None}
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         try:
@@ -168,6 +200,9 @@ def bench_recovery(out: Path, *, world: int = 4, steps: int = 300, rounds: int =
         "plain_p90_step_s": statistics.quantiles(plain, n=10)[-1] if len(plain) > 10 else None,
         "ftc10d_p90_step_s": statistics.quantiles(ftc, n=10)[-1] if len(ftc) > 10 else None,
     }
+    _say(f"bench recovery: plain DDP and ftc10d in alternating blocks of 25 steps in the same processes, "
+         f"{2 * steps} steps ...", quiet)
+    ab = ab_blocks(out / "overhead-ab", world, 2 * steps, 25)
     _say("bench recovery: ftc10d under kill:1@60,freeze:2@160:2 with a warm spare ...", quiet)
     rep = run_ftc10d(out / "recovery-ftc10d", world, max(steps, 300), "kill:1@60,freeze:2@160:2", hb=hb, spares=1)
     med = rep["step_time_median_s"] or float("nan")
@@ -185,11 +220,11 @@ def bench_recovery(out: Path, *, world: int = 4, steps: int = 300, rounds: int =
     _say("bench recovery: torchrun --max-restarts 1, SIGKILL rank 1 at step 60 ...", quiet)
     tr = torchrun_restart(out / "recovery-torchrun", world, 120, 60)
     result = {
-        "world_size": world, "overhead": overhead, "ftc10d": ftc_rec, "torchrun": tr,
+        "world_size": world, "overhead": overhead, "overhead_same_process": ab, "ftc10d": ftc_rec, "torchrun": tr,
         "restart_vs_ftc10d": (tr["first_step_after_restart_s"] or 0) / (kill.get("first_commit_s") or 1),
         "restart_vs_replacement": (tr["first_step_after_restart_s"] or 0) / (join.get("since_kill_s") or 1),
         "targets": {
-            "overhead_ratio_le_1.05": overhead["ratio"] <= 1.05,
+            "overhead_ratio_le_1.05": (ab["ratio"] or 9) <= 1.05,
             "kill_first_commit_le_100ms": (kill.get("first_commit_s") or 9) <= 0.1,
             "kill_stall_le_2_steps": ftc_rec["kill_stall_steps"] <= 2,
             "freeze_recommit_le_hb_plus_100ms": (freeze.get("first_commit_s") or 99) <= hb + 0.1,
@@ -207,18 +242,23 @@ def _ms(v: Optional[float]) -> str:
 
 
 def format_result(r: dict[str, Any]) -> str:
-    o, f, t = r["overhead"], r["ftc10d"], r["torchrun"]
+    o, ab, f, t = r["overhead"], r["overhead_same_process"], r["ftc10d"], r["torchrun"]
     ok = {True: "met", False: "MISSED"}
     tg = r["targets"]
     lines = [
         f"bench recovery: {r['world_size']} workers, {r['cpus']} CPUs, {r['seconds']} s",
         "",
-        f"(a) per-step cost, no faults ({o['rounds']} interleaved rounds x {o['steps_per_run']} steps, "
-        f"first {o['warmup_steps']} excluded)",
-        f"    plain torch DDP (gloo, torchrun)  median {_ms(o['plain_median_step_s'])}",
-        f"    ftc10d (DDP through Manager)      median {_ms(o['ftc10d_median_step_s'])}",
-        f"    ratio ftc10d / plain              {o['ratio']:.3f}x (per round: "
-        f"{', '.join(f'{x:.3f}' for x in o['paired_ratios'])})   target <= 1.05x: {ok[tg['overhead_ratio_le_1.05']]}",
+        f"(a) per-step cost, no faults: the same 4 processes alternate blocks of {ab['block_steps']} steps of plain "
+        f"DDP and ftc10d ({ab['blocks']} blocks measured)",
+        f"    plain torch DDP (init_process_group gloo)  median {_ms(ab['plain_median_step_s'])}",
+        f"    ftc10d (DDP through Manager)               median {_ms(ab['ftc10d_median_step_s'])}",
+        f"    ratio ftc10d / plain, median of pairs      {ab['ratio'] or 0:.3f}x (pairs: "
+        f"{', '.join(f'{x:.2f}' for x in ab['paired_ratios'])})   target <= 1.05x: "
+        f"{ok[tg['overhead_ratio_le_1.05']]}",
+        f"    separate runs ({o['rounds']} interleaved rounds x {o['steps_per_run']} steps, first "
+        f"{o['warmup_steps']} excluded): plain {_ms(o['plain_median_step_s'])} (torchrun), ftc10d "
+        f"{_ms(o['ftc10d_median_step_s'])} (ftc10d launch), ratio {o['ratio']:.3f}x (per round: "
+        f"{', '.join(f'{x:.2f}' for x in o['paired_ratios'])})",
         "",
         "(b) recovery after SIGKILL of one of 4 workers",
         f"    ftc10d survivors' first commit    {_ms(f['kill_first_commit_s'])} after the kill   "

@@ -44,6 +44,7 @@ class DemoConfig:
     fp_every: int = 10
     timeout: float = 180.0
     lr: float = 1e-3
+    extra_args: list[str] = field(default_factory=list)  # more worker.py arguments (bench)
 
 
 class Tail:
@@ -208,7 +209,7 @@ def run_demo(cfg: DemoConfig, view: Any, *, quiet: bool = False) -> tuple[int, d
     lc = LaunchConfig(
         script=WORKER,
         script_args=["--out", str(out), "--steps", str(cfg.steps), "--fp-every", str(cfg.fp_every),
-                     "--lr", str(cfg.lr)],
+                     "--lr", str(cfg.lr), *cfg.extra_args],
         nproc_per_node=cfg.world_size, spares=cfg.spares, max_restarts=max(3, len(cfg.faults) + 1),
         heartbeat_timeout=cfg.heartbeat_timeout, env=env, log_dir=str(out / "logs"),
     )

@@ -65,15 +65,13 @@ class LiveView:
 
         cfg = state.cfg
         stall = state.stall_now()
-        head = Table.grid(padding=(0, 2))
-        head.add_row(
-            Text(f"step {state.step}/{cfg.steps}", style="bold"),
-            ProgressBar(total=cfg.steps, completed=state.step, width=30),
-            Text(f"loss {state.loss:.4g}" if state.loss is not None else "loss -"),
-            Text(f"members {state.members}  epoch {state.epoch}"),
-            Text(f"stall {stall * 1000:5.0f} ms", style="bold red" if stall > 0.5 and state.step else ""),
-            Text(f"longest {state.longest_stall * 1000:.0f} ms", style="dim"),
-        )
+        head = Text()
+        head.append(f"step {state.step}/{cfg.steps}", style="bold")
+        head.append(f"   loss {state.loss:.4g}" if state.loss is not None else "   loss -")
+        head.append(f"   members {state.members}   epoch {state.epoch}   ")
+        head.append(f"stall {stall * 1000:.0f} ms", style="bold red" if stall > 0.5 and state.step else "")
+        head.append(f"   longest {state.longest_stall * 1000:.0f} ms", style="dim")
+        bar = ProgressBar(total=cfg.steps, completed=state.step)
         rows = Table(box=None, header_style="bold", pad_edge=False)
         for col in ("slot", "pid", "rank", "status", "step", "loss", "not committed"):
             rows.add_column(col, justify="right" if col not in ("status",) else "left")
@@ -81,11 +79,11 @@ class LiveView:
             rows.add_row(str(w.slot), str(w.pid), "-" if w.rank is None else str(w.rank),
                          Text(w.status, style=STATUS_STYLE.get(w.status, "")), str(w.step),
                          "-" if w.loss is None else f"{w.loss:.4g}", str(w.aborted))
-        log = Text()
+        log = []
         for t, text in list(state.log)[-10:]:
             style = "red" if "SIGKILL" in text else "blue" if "SIGSTOP" in text or "SIGCONT" in text else ""
-            log.append(f"{t:7.2f}s  {text}\n", style=style)
-        return Panel(Group(head, Text(""), rows, Text(""), log), title="ftc10d demo", border_style="cyan")
+            log.append(Text(f"{t:7.2f}s  {text}", style=style, no_wrap=True, overflow="ellipsis"))
+        return Panel(Group(head, bar, Text(""), rows, Text(""), *log), title="ftc10d demo", border_style="cyan")
 
 
 def _fmt(v: Optional[float], unit: str = "ms") -> str:
@@ -98,7 +96,9 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
     rows = []
     for f in report["faults"]:
         extra = ""
-        if f["kind"] == "join":
+        if f["kind"] == "join" and f.get("too_late"):
+            extra = f"{'warm' if f.get('warm') else 'cold'}; the job finished before it could join"
+        elif f["kind"] == "join":
             extra = f"{'warm' if f.get('warm') else 'cold'}; first commit {_fmt(f.get('first_commit_s'))} after " \
                     f"hand-over, {_fmt(f.get('since_kill_s'))} after the kill"
         elif f["kind"] == "freeze":

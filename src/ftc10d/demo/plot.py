@@ -51,7 +51,7 @@ def plot_timeline(out_dir: Path, report: dict[str, Any], path: Path | None = Non
                         textcoords="offset points", fontsize=7, color=c, va="top")
         if f.get("t_resumed"):
             ax.axvline(f["t_resumed"] - t0, color=c, ls=":", lw=1)
-    ax.set_xlabel("time since launch (s)")
+    ax.set_xlabel("seconds since the first worker started (dotted: SIGCONT)")
     ax.set_ylabel("loss")
     ident = "yes" if report.get("replicas_identical") else "NO"
     ax.set_title(f"ftc10d demo: {report.get('world_size')} workers, {report.get('steps_committed')} steps, "

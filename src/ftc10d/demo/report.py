@@ -163,6 +163,7 @@ def _join_entry(run: Run, ev: dict[str, Any], faults: list[dict[str, Any]]) -> d
         "first_commit_s": None if t_rec is None else round(t_rec - t_join, 4),
         "since_kill_s": None if t_rec is None or t_kill is None else round(t_rec - t_kill, 4),
         "received_state": run.has(pid, "recovered", t_join),
+        "too_late": run.has(pid, "left", t_join),  # the job finished before it could join
     }
 
 

@@ -69,6 +69,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fp-every", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--plain", action="store_true", help="plain torch DDP over init_process_group('gloo') (bench)")
+    p.add_argument("--ab-block", type=int, default=0, metavar="N",
+                   help="bench: alternate blocks of N steps of plain DDP and ftc10d DDP in this process")
     return p.parse_args(argv)
 
 
@@ -81,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     log.emit("start", restart=restart, plain=args.plain)
     if args.plain:
         return _plain(args, log, slot, restart)
+    if args.ab_block:
+        return _ab(args, log, slot)
     return _ftc10d(args, log, slot, restart)
 
 
@@ -104,9 +108,10 @@ def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) ->
     control = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=30))
     finished = f"ftc10d/demo/{os.environ.get('FTC10D_LAUNCH_ID', 'x')}/finished"
     while manager.step < args.steps:
-        if fenced and control.check([finished]):
-            # Removed while frozen, and the others finished the job meanwhile: nothing to rejoin.
-            log.emit("left", step=manager.step, reason="the job finished while this worker was out")
+        if (fenced or restart) and control.check([finished]):
+            # A replacement or a rejoining worker that arrives after the others finished would
+            # otherwise train the whole job again, alone: there is nothing left to join.
+            log.emit("left", step=manager.step, reason="the job finished before this worker (re)joined")
             return _exit(log, manager)
         t0 = time.time()
         opt.zero_grad()
@@ -139,6 +144,46 @@ def _exit(log: EventLog, manager: Any) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _ab(args: argparse.Namespace, log: EventLog, slot: int) -> int:
+    """Bench: the same process trains two copies of the model, one with torch's DDP over a plain
+    Gloo group and one with DDP through ftc10d, in alternating blocks (ABBA order), so that both
+    see the same machine load. ftc10d's background threads (heartbeats) run during both."""
+    warm_up()
+    teacher = make_teacher()
+    models = {"plain": make_student(seed=0), "ftc10d": make_student(seed=0)}
+    optims = {k: torch.optim.Adam(m.parameters(), lr=args.lr) for k, m in models.items()}
+    pg, member = init_from_env()
+    manager = Manager(pg, member)
+    rank, world = manager.rank, manager.world_size
+    host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
+    control = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"ftc10d-demo/ab/{os.environ.get('FTC10D_LAUNCH_ID')}",
+                                                           control), rank=rank, world_size=world)
+    log.emit("admitted", rank=rank, world_size=world, epoch=manager.epoch)
+    wrapped = {"plain": torch.nn.parallel.DistributedDataParallel(models["plain"]),
+               "ftc10d": manager.ddp(models["ftc10d"])}
+    opts: dict[str, Any] = {"plain": optims["plain"], "ftc10d": ManagedOptimizer(manager, optims["ftc10d"])}
+    k = 0
+    blocks = max(2, args.steps // args.ab_block)
+    for b in range(blocks):
+        mode = ("plain", "ftc10d", "ftc10d", "plain")[b % 4]
+        for i in range(args.ab_block):
+            t0 = time.time()
+            opts[mode].zero_grad()
+            x, y = batch_for(teacher, k, rank, world)
+            loss = loss_fn(wrapped[mode](x), y)
+            loss.backward()
+            ok = opts[mode].step()
+            k += 1
+            log.emit("step", step=k, ok=ok is not False, loss=float(loss.detach()), t0=t0, dt=time.time() - t0,
+                     mode=mode, block=b, epoch=manager.epoch, rank=rank, world_size=world)
+    dist.barrier()
+    control.add("ftc10d/demo/ab/finished", 1)
+    while int(control.add("ftc10d/demo/ab/finished", 0)) < world:
+        time.sleep(0.02)
+    return _exit(log, manager)
 
 
 def _plain(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> int:
