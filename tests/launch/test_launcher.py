@@ -87,7 +87,11 @@ def test_warm_spare_is_promoted_and_replaced(tmp_path: Path) -> None:
         assert alive(new[0])
         # the new spare has not started the script: still exactly 3 records
         assert len(records(tmp_path)) == 3
-    assert not alive(new[0]) and not alive(spare)
+        os.kill(new[0], signal.SIGKILL)  # a spare that dies is replaced
+        again = wait_for(lambda: [p for p in launcher.spare_pids() if p not in (spare, new[0])], 10,
+                         "a spare replacing the dead one")
+        assert launcher.pids()[0] == spare and len(records(tmp_path)) == 3
+    assert not alive(new[0]) and not alive(spare) and not alive(again[0])
 
 
 def test_sigterm_to_ftc10d_launch_leaves_no_process_behind(tmp_path: Path) -> None:

@@ -29,9 +29,11 @@ NPROC = 3
 class Run:
     """A launcher running train_job.py, and a client of its store to watch the job."""
 
-    def __init__(self, log_dir: Path, opts: dict[str, Any], *, spares: int = 1, hb: float = 1.0,
+    def __init__(self, log_dir: Path, opts: dict[str, Any], *, spares: int = 1, hb: float = 2.0,
                  max_restarts: int = 3) -> None:
-        opts = {"interval": 0.01, "finishers": NPROC, **opts}
+        # Long enough that a replacement is in well before the end: the survivors of a short job
+        # would finish and leave while it joins (it would then train alone, from nothing).
+        opts = {"steps": 70, "interval": 0.02, "finishers": NPROC, **opts}
         self.steps = opts["steps"]
         env = {"FTC10D_TEST_OPTS": json.dumps(opts), "PYTHONPATH": child_env()["PYTHONPATH"]}
         self.launcher = Launcher(LaunchConfig(script=TRAIN_JOB, nproc_per_node=NPROC, spares=spares,
@@ -44,6 +46,15 @@ class Run:
         key = f"test/progress/{pid}"
         return int(self.store.get(key)) if self.store.check([key]) else 0
 
+    def step_now(self, slot: int) -> int:
+        pid = self.launcher.pids().get(slot)
+        return 0 if pid is None else self.progress(pid)
+
+    def fault_step(self) -> int:
+        """When to inject a fault: a few steps from now, and not before step 10 (past the start-up,
+        when 2 cores run every worker's and spare's imports and heartbeats may lapse)."""
+        return max(10, self.step_now(0) + 3)
+
     def wait_step(self, slot: int, step: int, timeout: float = 60.0) -> None:
         def reached() -> bool:
             pid = self.launcher.pids().get(slot)
@@ -52,6 +63,10 @@ class Run:
             return pid is not None and self.progress(pid) >= step
 
         wait_for(reached, timeout, f"slot {slot} to reach step {step}")
+
+    def wait_spares(self, n: int = 1) -> None:
+        """Wait until ``n`` spares are ready, so that the next replacement is a warm one."""
+        wait_for(lambda: sum(e.kind == "spare_ready" for e in self.launcher.events) >= n, 60, f"{n} ready spare(s)")
 
     def all_pids(self) -> list[int]:
         return sorted({e.pid for e in self.launcher.events if e.kind in ("started", "respawned")})
@@ -100,10 +115,11 @@ def _kinds(events: list[list[Any]]) -> list[str]:
 
 
 def test_sigkill_one_rank_respawned_from_a_warm_spare_catches_up(runs: list[Run], tmp_path: Path) -> None:
-    run = Run(tmp_path, {"steps": 40})
+    run = Run(tmp_path, {})
     runs.append(run)
-    wait_for(lambda: any(e.kind == "spare_ready" for e in run.launcher.events), 60, "the warm spare")
-    run.wait_step(0, 10)
+    run.wait_spares()
+    at = run.fault_step()
+    run.wait_step(0, at)
     victim = run.launcher.kill(1)
     results = run.finish()
     respawned = [e for e in run.launcher.events if e.kind == "respawned"]
@@ -111,17 +127,17 @@ def test_sigkill_one_rank_respawned_from_a_warm_spare_catches_up(runs: list[Run]
     assert any(e.kind == "reported" and e.pid == victim for e in run.launcher.events)
     joiner = results[respawned[0].pid]
     recovered = [e[2] for e in joiner["events"] if e[1] == "recovered"]
-    assert recovered and recovered[0]["step"] >= 10, recovered
+    assert recovered and recovered[0]["step"] >= at - 1, recovered
 
 
 def test_sigstop_past_the_heartbeat_timeout_is_fenced_and_rejoins(runs: list[Run], tmp_path: Path) -> None:
-    run = Run(tmp_path, {"steps": 40}, spares=0, hb=0.5)
+    run = Run(tmp_path, {}, spares=0, hb=0.5)
     runs.append(run)
-    run.wait_step(0, 8)
+    run.wait_step(0, 5)
     frozen = run.launcher.kill(2, signal.SIGSTOP)
     try:
         at = run.progress(frozen)
-        run.wait_step(0, at + 8)  # the others went on without it
+        run.wait_step(0, at + 5)  # the others went on without it
     finally:
         run.launcher.kill(2, signal.SIGCONT)
     results = run.finish()
@@ -132,9 +148,10 @@ def test_sigstop_past_the_heartbeat_timeout_is_fenced_and_rejoins(runs: list[Run
 
 
 def test_two_failures_in_a_row(runs: list[Run], tmp_path: Path) -> None:
-    run = Run(tmp_path, {"steps": 40})
+    run = Run(tmp_path, {}, spares=2)
     runs.append(run)
-    run.wait_step(0, 10)
+    run.wait_spares(2)
+    run.wait_step(0, run.fault_step())
     run.launcher.kill(1)
     time.sleep(0.03)
     run.launcher.kill(2)
@@ -144,10 +161,11 @@ def test_two_failures_in_a_row(runs: list[Run], tmp_path: Path) -> None:
 
 
 def test_source_dies_while_sending_state_to_the_replacement(runs: list[Run], tmp_path: Path) -> None:
-    die = {"op": "send", "after_step": 1, "once": True}
-    run = Run(tmp_path, {"steps": 40, "die": {"0": die, "2": die}})
+    die = {"op": "send", "after_step": 5, "once": True}
+    run = Run(tmp_path, {"die": {"0": die, "2": die}}, spares=2)
     runs.append(run)
-    run.wait_step(0, 10)
+    run.wait_spares(2)
+    run.wait_step(0, run.fault_step())
     run.launcher.kill(1)
     run.finish()
     exits = [(e.slot, e.detail["signal"]) for e in run.launcher.events if e.kind == "exited"]
@@ -157,7 +175,7 @@ def test_source_dies_while_sending_state_to_the_replacement(runs: list[Run], tmp
 
 
 def test_member_dies_during_the_commit_vote(runs: list[Run], tmp_path: Path) -> None:
-    run = Run(tmp_path, {"steps": 40, "die": {"2": {"op": "vote", "after_step": 12, "once": True}}})
+    run = Run(tmp_path, {"die": {"2": {"op": "vote", "after_step": 15, "once": True}}})
     runs.append(run)
     results = run.finish()
     exits = [(e.slot, e.detail["signal"]) for e in run.launcher.events if e.kind == "exited"]

@@ -658,10 +658,13 @@ class Launcher:
 
 
 def run(config: LaunchConfig, on_event: Optional[EventCallback] = None) -> int:
-    """Run a job to its end in this thread, stopping it cleanly on SIGINT/SIGTERM (main thread only)."""
+    """Run a job to its end in this thread (what ``ftc10d launch`` does); called on the main
+    thread, SIGINT/SIGTERM stop the job cleanly (forwarded, then SIGKILL after the grace)."""
     launcher = Launcher(config, on_event)
-    previous = {sig: signal.signal(sig, lambda signum, _frame: launcher.stop(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread only
+        previous = {sig: signal.signal(sig, lambda signum, _frame: launcher.stop(signum))
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         launcher.start()
         return launcher.wait()
