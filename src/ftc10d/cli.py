@@ -264,6 +264,56 @@ def launch(args: argparse.Namespace) -> int:
     return code
 
 
+@subcommand(
+    "chaos",
+    "randomized fault trials on a real DDP job (kill, freeze, slow, partition, ...) with the invariants checked",
+    arg("--trials", type=int, default=5, metavar="N", help="number of trials (default: 5)"),
+    arg("--seed", type=int, default=0, metavar="S",
+        help="seed of the run; trial k's seed derives from it (default: 0)"),
+    arg("--out", default="chaos-out", metavar="DIR",
+        help="where summary.json and each trial's record go (default: chaos-out)"),
+    arg("--replay", default=None, metavar="FILE",
+        help="run the one trial recorded in FILE (DIR/trials/<k>-<seed>.json) again, same schedule"),
+    arg("--hosts", type=int, default=1, metavar="H",
+        help="spread the workers over H hosts (network namespaces; root only) and add partition faults (default: 1)"),
+    arg("--world-size", type=int, default=4, metavar="N", help="workers per trial (default: 4)"),
+    arg("--steps", type=int, default=60, metavar="N", help="training steps per trial (default: 60)"),
+    arg("--heartbeat-timeout", type=float, default=0.75, metavar="SECONDS",
+        help="membership heartbeat timeout of the job (default: 0.75)"),
+    arg("--keep", action="store_true", help="keep the event files and logs of survived trials too"),
+)
+def chaos(args: argparse.Namespace) -> int:
+    """Each trial launches the job through the launcher (warm spare included), injects a
+    fault schedule drawn from the trial's seed, and checks: the final step was reached;
+    invariant 1 (all fingerprints equal per committed step, no step lost or applied
+    twice); invariant 3 (a fenced member id never commits or comes back); no process,
+    /dev/shm entry or listening port left behind; the stall each fault caused. A failed
+    trial prints its seed, schedule and the file to --replay. Exit code 0 iff every
+    trial survived."""
+    if args.trials < 1:
+        args.parser.error("--trials must be at least 1")
+    if args.world_size < 3:
+        args.parser.error("--world-size must be at least 3 (a removal must leave a majority)")
+    if args.steps < 30:
+        args.parser.error("--steps must be at least 30 (warm-up, faults, recovery)")
+    if args.heartbeat_timeout <= 0:
+        args.parser.error("--heartbeat-timeout must be positive")
+    if not 1 <= args.hosts <= (args.world_size + 1) // 2:
+        args.parser.error(f"--hosts must be in [1, {(args.world_size + 1) // 2}] with --world-size "
+                          f"{args.world_size} (each extra host runs one worker, a minority)")
+    from ftc10d.chaos import runner
+    from ftc10d.chaos.schedule import ScheduleError
+
+    command = "ftc10d " + " ".join(sys.argv[1:])
+    try:
+        return runner.run(trials=args.trials, seed=args.seed, out=args.out, replay=args.replay, hosts=args.hosts,
+                          world_size=args.world_size, steps=args.steps, heartbeat_timeout=args.heartbeat_timeout,
+                          keep=args.keep, command=command)
+    except ScheduleError as exc:
+        args.parser.error(str(exc))
+        return 2
+
+
 @subcommand("version", "print the versions of ftc10d, torch and Python, and what this torch supports natively")
 def version(args: argparse.Namespace) -> int:
     """Print versions; the native-contract line tells whether torch itself has

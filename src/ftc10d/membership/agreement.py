@@ -244,7 +244,7 @@ class MemberInfo:
             return cls(id=member_id, handle=body["handle"], host=str(body.get("host", "")), pid=int(body.get("pid", 0)),
                        last_epoch=int(body.get("last_epoch", 0)), last_rank=int(body.get("last_rank", -1)),
                        last_inc=str(body.get("last_inc", "")))
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int(Infinity), valid JSON
             return None
 
 

@@ -91,7 +91,9 @@ class Signer:
         if self._key is not None:
             sig = outer.get("s")
             text = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-            if not isinstance(sig, str) or not hmac.compare_digest(sig, self._mac(key, text)):
+            # compare bytes: compare_digest raises TypeError on a str that is not ASCII
+            if not isinstance(sig, str) or not hmac.compare_digest(sig.encode(errors="replace"),
+                                                                   self._mac(key, text).encode()):
                 self._reject(key, raw, "missing signature" if sig is None else "bad signature")
                 return None
         return body
@@ -114,8 +116,7 @@ class Signer:
         if not text.isdigit() or len(text) > 19:
             self._reject(key, raw, "not a heartbeat")
             return None
-        if self._key is not None and not (sig and hmac.compare_digest(sig.decode(errors="replace"),
-                                                                    self._mac(key, text))):
+        if self._key is not None and not (sig and hmac.compare_digest(sig, self._mac(key, text).encode())):
             self._reject(key, raw, "missing signature" if not sig else "bad signature")
             return None
         return int(text)

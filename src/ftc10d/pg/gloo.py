@@ -93,7 +93,14 @@ def _describe(fd: int, inode: int) -> Optional[_PairSocket]:
 
 
 def _create_device() -> dist.ProcessGroupGloo.Device:
-    """Same device choice as torch's Gloo (``GLOO_SOCKET_IFNAME`` or the hostname)."""
+    """Same device choice as torch's Gloo (``GLOO_SOCKET_IFNAME`` or the hostname).
+
+    ``create_default_device`` alone ignores ``GLOO_SOCKET_IFNAME`` (torch reads it in
+    the Python constructor of ``ProcessGroupGloo``, which we do not use), so it is read
+    here; the first interface listed is used."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if ifname:
+        return dist.ProcessGroupGloo.create_device(interface=ifname)
     return dist.ProcessGroupGloo.create_default_device()
 
 

@@ -41,6 +41,9 @@ logger = logging.getLogger("ftc10d")
 
 #: Tag of the point-to-point transfer messages (distinct from user p2p on the group).
 STATE_TAG = 0x57A7E
+#: A skeleton is JSON text describing the tensors, not the tensors: far below this. A header
+#: announcing more is garbage, refused before anything is allocated.
+MAX_SKELETON_BYTES = 64 << 20
 
 
 @dataclass
@@ -125,9 +128,15 @@ def transfer(pg: Any, plan: Plan, get_state: Callable[[], Any],
             w.wait()
         return None, int(skel.numel()) + lay.total, time.perf_counter() - t0
     move(header, 0).wait()
+    if not 0 < int(header[0]) <= MAX_SKELETON_BYTES or int(header[1]) < 0:
+        raise StateFormatError(f"state header announces a skeleton of {int(header[0])} bytes and a buffer of "
+                               f"{int(header[1])}; is the source's ftc10d the same?")
     skel = torch.empty(int(header[0]), dtype=torch.uint8)
     move(skel, 1).wait()
-    skeleton = bytes(skel.numpy()).decode()
+    try:
+        skeleton = bytes(skel.numpy()).decode()
+    except UnicodeDecodeError as exc:
+        raise StateFormatError(f"state skeleton is not UTF-8 text: {exc}") from None
     sizes, offsets, total = skeleton_sizes(skeleton)
     if total != int(header[1]) or any(o < 0 or o + n > total for o, n in zip(offsets, sizes)):
         raise StateFormatError("the state skeleton does not fit the announced buffer; is the source's ftc10d the same?")

@@ -144,8 +144,22 @@ def segments(sizes: list[int], offsets: list[int]) -> list[tuple[int, int, list[
     return out
 
 
+#: What a malformed skeleton (valid JSON, wrong shape) raises while it is walked; all of
+#: it becomes StateFormatError (RecursionError, a RuntimeError, for absurd nesting).
+_MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError, RuntimeError)
+
+
 def skeleton_sizes(skeleton: str) -> tuple[list[int], list[int], int]:
     """Byte size and offset of every tensor described by a (validated) skeleton, and the total."""
+    try:
+        return _skeleton_sizes(skeleton)
+    except StateFormatError:
+        raise
+    except _MALFORMED as exc:
+        raise StateFormatError(f"malformed state skeleton: {type(exc).__name__}: {exc}") from None
+
+
+def _skeleton_sizes(skeleton: str) -> tuple[list[int], list[int], int]:
     doc = _load_skeleton(skeleton)
     specs: dict[int, tuple[str, list[int]]] = {}
     _tensor_specs(doc["tree"], specs)
@@ -159,6 +173,8 @@ def skeleton_sizes(skeleton: str) -> tuple[list[int], list[int], int]:
             raise StateFormatError(f"state tensor {i} has unknown dtype {name!r}")
         count = 1
         for d in shape:
+            if d < 0:
+                raise StateFormatError(f"state tensor {i} has a negative dimension {d}")
             count *= d
         sizes.append(count * torch.empty((), dtype=dtype).element_size())
     return sizes, [int(o) for o in doc["offsets"]], int(doc["nbytes"])
@@ -222,9 +238,12 @@ def in_place_targets(skeleton: str, local: Any) -> dict[int, torch.Tensor]:
     each tensor onto itself: a no-op)."""
     doc = _load_skeleton(skeleton)
     incoming: dict[int, str] = {}
-    _paths(doc["tree"], "state", incoming)
     specs: dict[int, tuple[str, list[int]]] = {}
-    _tensor_specs(doc["tree"], specs)
+    try:
+        _paths(doc["tree"], "state", incoming)
+        _tensor_specs(doc["tree"], specs)
+    except _MALFORMED as exc:
+        raise StateFormatError(f"malformed state skeleton: {type(exc).__name__}: {exc}") from None
     lay = layout(local)
     mine: dict[int, str] = {}
     _paths(json.loads(lay.skeleton)["tree"], "state", mine)
@@ -241,7 +260,17 @@ def in_place_targets(skeleton: str, local: Any) -> dict[int, torch.Tensor]:
 
 def unpack(skeleton: str, buffer: torch.Tensor, received: Optional[dict[int, torch.Tensor]] = None) -> Any:
     """The state dict described by ``skeleton``; its tensors are views of ``buffer``, except
-    those in ``received`` (index -> a tensor the bytes were received into directly)."""
+    those in ``received`` (index -> a tensor the bytes were received into directly).
+    A skeleton that does not describe ``buffer`` raises StateFormatError, nothing else."""
+    try:
+        return _unpack(skeleton, buffer, received)
+    except StateFormatError:
+        raise
+    except _MALFORMED as exc:
+        raise StateFormatError(f"malformed state skeleton: {type(exc).__name__}: {exc}") from None
+
+
+def _unpack(skeleton: str, buffer: torch.Tensor, received: Optional[dict[int, torch.Tensor]]) -> Any:
     doc = _load_skeleton(skeleton)
     if int(doc["nbytes"]) != buffer.numel():
         raise StateFormatError(f"state buffer has {buffer.numel()} bytes, the skeleton describes {doc['nbytes']}")
@@ -256,6 +285,8 @@ def unpack(skeleton: str, buffer: torch.Tensor, received: Optional[dict[int, tor
             raise StateFormatError(f"state tensor {i} has unknown dtype {name!r}")
         count = 1
         for s in shape:
+            if s < 0:
+                raise StateFormatError(f"state tensor {i} has a negative dimension {s}")
             count *= s
         n = count * torch.empty((), dtype=dtype).element_size()
         off = int(offsets[i])
@@ -281,16 +312,18 @@ _WEIGHTS: dict[int, torch.Tensor] = {}
 def _weights(n: int) -> torch.Tensor:
     w = _WEIGHTS.get(n)
     if w is None:
-        w = _WEIGHTS[n] = torch.arange(1, 2 * n, 2, dtype=torch.int64)
+        w = _WEIGHTS[n] = torch.arange(1, 2 * n, 2, dtype=torch.int64).to(torch.int32)
     return w
 
 
 def fingerprint(state: Any) -> str:
     """A cheap value that differs when any bit of any tensor differs (almost surely).
 
-    Each tensor's bytes, read as int32 words (int16/uint8 for odd sizes), are
-    combined with position-dependent odd weights in int64 arithmetic; a
-    sha256 per step would cost more than the step of a small model.
+    Each tensor's bytes, read as int32 words, are multiplied by position-dependent
+    odd weights in int32 arithmetic (wrapping: a flipped bit changes its product by
+    2^k times an odd number, never by 0 mod 2^32) and summed in int64; the last 1-3
+    bytes are added with their own weights. Half the cost of doing it in int64 (no
+    widened copy); a sha256 per step would cost more than the step of a small model.
     """
     acc = []
     for t in tensors_of(state):
@@ -299,11 +332,11 @@ def fingerprint(state: Any) -> str:
         if n == 0:
             acc.append(0)
             continue
-        head = raw[: n - n % 4].view(torch.int32).to(torch.int64)
-        weights = _weights(head.numel())
-        value = int((head * weights).sum()) if head.numel() else 0
-        tail = raw[n - n % 4:]
-        value = value * 1_000_003 + int(tail.to(torch.int64).sum())
+        head = raw[: n - n % 4].view(torch.int32)
+        value = int((head * _weights(head.numel())).sum(dtype=torch.int64)) if head.numel() else 0
+        if n % 4:
+            tail = raw[n - n % 4:].to(torch.int64)
+            value = value * 1_000_003 + int((tail * torch.arange(1, 2 * tail.numel(), 2)).sum())
         acc.append(value & 0xFFFFFFFFFFFF)
     return hashlib.blake2b(repr(acc).encode(), digest_size=8).hexdigest()
 

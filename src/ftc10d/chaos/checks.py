@@ -1,0 +1,250 @@
+"""What a chaos trial must show: the invariants, from the job's event files, and no leaks.
+
+Everything here reads data that outlives the trial's processes (event files, the
+membership chain read before the coordinator closed, ``/proc``, ``/dev/shm``), so
+the checks run after the job, whatever killed what, and unit tests feed them
+synthetic events.
+
+Invariant 1 (``check_commits``): for every committed step, all fingerprints that any
+worker published are equal (and equal to the fingerprint of a state received for
+that step); per worker, commits are strictly consecutive (step s+1 follows s, a
+received state sets the step, never backwards), so no committed step is lost or
+applied twice; every step 1..N was committed by someone; every final hash is equal.
+
+Invariant 3 (``check_fencing``): a member id that was fenced commits nothing after
+its ``fenced`` event; a member id is used by one process only; in the membership
+chain a member, once removed, is never in a later configuration; every commit's
+member was in the configuration of its epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+
+def read_events(folder: Path) -> list[dict[str, Any]]:
+    """Every complete JSON line of ``folder/*.jsonl`` (a torn last line of a killed writer is skipped)."""
+    out: list[dict[str, Any]] = []
+    for f in sorted(Path(folder).glob("*.jsonl")):
+        for line in f.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and "kind" in rec and "pid" in rec:
+                out.append(rec)
+    return out
+
+
+def by_pid(events: Iterable[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """Each process's events in the order it wrote them (file order, which is its program order)."""
+    out: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        out[e["pid"]].append(e)
+    return out
+
+
+def check_commits(events: list[dict[str, Any]], steps: int) -> list[str]:
+    """Invariant 1 and completion; returns what broke (empty: nothing)."""
+    problems: list[str] = []
+    fps: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for pid, evs in by_pid(events).items():
+        cur: Optional[int] = 0
+        for e in evs:
+            if e["kind"] == "recovered":
+                s = int(e["step"])
+                if cur is not None and s < cur:
+                    problems.append(f"pid {pid} received the state of step {s} after committing step {cur}: "
+                                    "a committed step was lost")
+                cur = s
+                if "fp" in e:
+                    fps[s][e["fp"]].append(pid)
+            elif e["kind"] == "commit":
+                s = int(e["step"])
+                if cur is not None and s != cur + 1:
+                    what = "applied twice" if s <= cur else "skipped"
+                    problems.append(f"pid {pid} committed step {s} after step {cur}: a step was {what}")
+                cur = s
+                fps[s][e["fp"]].append(pid)
+    for s in sorted(fps):
+        if len(fps[s]) > 1:
+            detail = ", ".join(f"{fp} by pids {sorted(set(p))}" for fp, p in fps[s].items())
+            problems.append(f"replicas differ after committed step {s}: {detail}")
+    committed = {int(e["step"]) for e in events if e["kind"] == "commit"}
+    missing = [s for s in range(1, steps + 1) if s not in committed]
+    if missing:
+        problems.append(f"steps never committed by anyone: {_ranges(missing)} (final step {steps} not reached)"
+                        if steps in missing else f"steps never committed by anyone: {_ranges(missing)}")
+    finals = [e for e in events if e["kind"] == "final"]
+    if not finals:
+        problems.append("no worker reached the final step")
+    if len({e["hash"] for e in finals}) > 1:
+        problems.append("live replicas differ at the end: " + ", ".join(f"pid {e['pid']}: {e['hash'][:12]}"
+                                                                         for e in finals))
+    if any(int(e["step"]) != steps for e in finals):
+        problems.append(f"a worker ended at a step other than {steps}: "
+                        + ", ".join(f"pid {e['pid']}: {e['step']}" for e in finals))
+    return problems
+
+
+def check_fencing(events: list[dict[str, Any]], chain: Optional[dict[int, list[str]]] = None) -> list[str]:
+    """Invariant 3. ``chain``: epoch -> member ids of that configuration (None: not read)."""
+    problems: list[str] = []
+    owner: dict[str, int] = {}
+    for pid, evs in by_pid(events).items():
+        fenced: set[str] = set()
+        for e in evs:
+            mid = e.get("member")
+            if e["kind"] == "fenced" and mid:
+                fenced.add(mid)
+            elif e["kind"] == "commit" and mid in fenced:
+                problems.append(f"pid {pid} committed step {e['step']} as member {mid} after that member was "
+                                "fenced")
+            if e["kind"] in ("commit", "admitted") and mid:
+                if owner.setdefault(mid, pid) != pid:
+                    problems.append(f"member id {mid} used by two processes: {owner[mid]} and {pid}")
+    if chain:
+        epochs = sorted(chain)
+        seen: dict[str, int] = {}  # member -> last epoch it was in
+        for ep in epochs:
+            for mid in chain[ep]:
+                last = seen.get(mid)
+                if last is not None and last != ep - 1 and all(e in chain for e in range(last + 1, ep)):
+                    problems.append(f"member {mid} was removed after epoch {last} and is back at epoch {ep}")
+                seen[mid] = ep
+        for e in events:
+            if e["kind"] == "commit" and e.get("epoch") in chain and e.get("member") not in chain[e["epoch"]]:
+                problems.append(f"pid {e['pid']} committed step {e['step']} as member {e.get('member')}, which is "
+                                f"not in the configuration of epoch {e['epoch']}")
+    return problems
+
+
+def _ranges(xs: list[int]) -> str:
+    out, start = [], None
+    for i, x in enumerate(xs):
+        if start is None:
+            start = x
+        if i + 1 == len(xs) or xs[i + 1] != x + 1:
+            out.append(f"{start}" if start == x else f"{start}-{x}")
+            start = None
+    return ",".join(out)
+
+
+# ------------------------------------------------------------------ stalls
+
+
+def commit_times(events: list[dict[str, Any]]) -> list[tuple[float, int]]:
+    """(time, step) of the job's commits: the first time any worker committed each step."""
+    first: dict[int, float] = {}
+    for e in events:
+        if e["kind"] == "commit":
+            first[e["step"]] = min(first.get(e["step"], e["t"]), e["t"])
+    return sorted((t, s) for s, t in first.items())
+
+
+def stall_after(times: list[tuple[float, int]], t_fault: float, until: float) -> Optional[float]:
+    """The longest time without a job commit from ``t_fault`` to the first commit after
+    ``until`` (the end of the fault's window: resume or heal time plus a margin, which
+    takes in a replacement's admission). None if the job never committed after the fault."""
+    ts = [t for t, _ in times if t > t_fault]
+    if not ts:
+        return None
+    later = [t for t in ts if t > until]
+    marks = [t_fault] + [t for t in ts if t <= until] + later[:1]
+    return max(b - a for a, b in zip(marks, marks[1:]))
+
+
+# ------------------------------------------------------------------ leaks
+
+
+def _stat(pid: str) -> Optional[tuple[str, int]]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            rest = f.read().rpartition(")")[2].split()
+        return rest[0], int(rest[2])  # state, pgrp
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def leftover_processes(pids: set[int]) -> list[int]:
+    """Live (non-zombie) processes that are one of ``pids`` or in one of their process groups
+    (every launcher child leads its own group, so whatever a worker started is in it)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        st = _stat(name)
+        if st is None or st[0] == "Z":
+            continue
+        if int(name) in pids or st[1] in pids:
+            out.append(int(name))
+    return sorted(out)
+
+
+def wait_no_leftovers(pids: set[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = leftover_processes(pids)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def leaked_shm(before: set[str], pids: set[int]) -> tuple[list[str], list[str]]:
+    """(leaked, unattributed): new ``/dev/shm`` entries naming one of the trial's pids or
+    ftc10d are leaks; other new entries (the machine is shared) are only reported."""
+    new = sorted(shm_entries() - before)
+    ours = [n for n in new if "ftc10d" in n or any(str(p) in n.replace("-", "_").split("_") for p in pids)]
+    return ours, [n for n in new if n not in ours]
+
+
+def listening_ports() -> set[int]:
+    """TCP ports in LISTEN state in this network namespace (IPv4 and IPv6)."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    if len(parts) > 3 and parts[3] == "0A":
+                        out.add(int(parts[1].rpartition(":")[2], 16))
+        except (OSError, StopIteration):
+            continue
+    return out
+
+
+def own_listening_sockets() -> int:
+    """How many listening TCP sockets this process holds (the chaos runner outlives trials)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    if len(parts) > 9 and parts[3] == "0A":
+                        inodes.add(parts[9])
+        except (OSError, StopIteration):
+            continue
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            count += 1
+    return count

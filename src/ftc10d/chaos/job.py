@@ -1,0 +1,195 @@
+"""The training job of a chaos trial: the script every launcher slot (and warm spare) runs.
+
+A small MLP trained with DDP through ftc10d (``Manager``, ``ManagedOptimizer``) on a
+fixed sequence of global batches. It writes what the checks need as JSON lines
+to ``<out>/events/<slot>-<pid>.jsonl``, one ``write`` per line, so a SIGKILL loses
+nothing already written and the files outlive the coordinator store:
+
+- ``start``; ``admitted`` (member id, epoch, rank, world size);
+- ``commit`` per committed step: step, state fingerprint, member id, epoch;
+- ``aborted`` per step not committed; the Manager's ``reconfigured`` /
+  ``recovered`` (with the fingerprint of the received state) / ``sent_state`` /
+  ``aborted_step`` / ``fenced`` (with the member id that was fenced);
+- ``final`` (state_hash) at the last step, ``left`` if it was fenced after the job
+  finished, ``exit``.
+
+Options come as JSON in ``$FTC10D_CHAOS_OPTS``: ``out``, ``trial``, ``steps``,
+``interval``, ``world`` and ``rank_base`` (a trial with several hosts runs one
+launcher per host; the job, not the launcher, knows the whole job's size), and
+``die``: ``{slot: {"op": "send"|"vote", "after_step": n}}``: SIGKILL itself as it
+sends state to a joiner, or inside the commit vote; only the first process of the
+trial to get there dies (claimed through the coordinator store).
+
+Kept free of ``tests/`` so that ``ftc10d chaos`` runs from an installed package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+# Top-level imports: a warm spare imports these before it is needed.
+import torch
+import torch._dynamo  # noqa: F401  (the first optimizer step imports it: seconds on a busy machine)
+import torch.distributed as dist
+import torch.nn.parallel  # noqa: F401
+from torch import nn
+
+from ftc10d.train import ManagedOptimizer, Manager, init_from_env
+
+OPTS_ENV = "FTC10D_CHAOS_OPTS"
+IN, HIDDEN, OUT, GLOBAL_BATCH = 32, 64, 4, 64
+
+
+def batch_for(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shard of step ``step``'s fixed global batch that rank ``rank`` of ``world`` trains on."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, IN, generator=g)
+    y = torch.randint(0, OUT, (GLOBAL_BATCH,), generator=g)
+    return x[rank::world], y[rank::world]
+
+
+class EventLog:
+    """Append-only JSON lines, one ``write`` each (nothing buffered in the process)."""
+
+    def __init__(self, folder: str, slot: int) -> None:
+        os.makedirs(folder, exist_ok=True)
+        self._fd = os.open(os.path.join(folder, f"{slot}-{os.getpid()}.jsonl"),
+                           os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.slot = slot
+
+    def emit(self, kind: str, **info: Any) -> None:
+        rec = {"t": time.time(), "kind": kind, "pid": os.getpid(), "slot": self.slot, **info}
+        os.write(self._fd, (json.dumps(rec, default=str) + "\n").encode())
+
+
+def suicide_hook(manager: Manager, die: dict[str, Any], claim: Callable[[str], bool], log: EventLog) -> Any:
+    """A pre-hook that SIGKILLs this process as it issues a state-transfer send (``op: send``)
+    or its commit-vote all-reduce (``op: vote``), once ``manager.step >= after_step``, if it
+    wins the trial-wide claim for that op."""
+
+    def hook(args: Any) -> None:
+        if manager.step < die["after_step"]:
+            return
+        name = str(args.name).lower().replace("_", "")
+        hit = (die["op"] == "send" and name.endswith("send")) or (
+            die["op"] == "vote" and name.endswith("allreduce") and manager.in_vote)
+        if hit and claim(f"die/{die['op']}"):
+            log.emit("suicide", op=die["op"], step=manager.step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def _control_store() -> dist.TCPStore:
+    host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
+    return dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=30))
+
+
+def _finished(control: dist.TCPStore, key: str) -> bool:
+    try:
+        return bool(control.check([key]))
+    except Exception:  # the store unreachable (a cut link): not known to be finished
+        return False
+
+
+def _exit(log: EventLog, code: int = 0) -> None:
+    log.emit("exit", code=code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Hard exit: at interpreter teardown Gloo threads of retired generations can abort the
+    # process, which the launcher would read as a crash.
+    os._exit(code)
+
+
+def main() -> int:
+    opts = json.loads(os.environ[OPTS_ENV])
+    torch.set_num_threads(1)
+    slot = int(opts.get("rank_base", 0)) + int(os.environ.get("LOCAL_RANK", "0"))
+    # The launcher of one host only knows its own workers; the job's size is the trial's.
+    os.environ["WORLD_SIZE"] = str(opts.get("world", os.environ.get("WORLD_SIZE", "1")))
+    os.environ["RANK"] = str(slot)
+    restart = int(os.environ.get("FTC10D_RESTART_COUNT", "0"))
+    log = EventLog(os.path.join(opts["out"], "events"), slot)
+    log.emit("start", restart=restart)
+    control = _control_store()
+    finished = f"chaos/{opts['trial']}/finished"
+    if _finished(control, finished):  # a replacement started as the job ended: nothing to join
+        log.emit("left", reason="the job had finished")
+        _exit(log)
+
+    torch.manual_seed(slot + 1000 * restart)  # different weights on purpose: recovery makes replicas equal
+    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    pg, member = init_from_env()
+    manager = Manager(pg, member, sync_timeout=120.0)
+    log.emit("admitted", member=member.id, epoch=manager.epoch, rank=manager.rank, world_size=manager.world_size)
+
+    back = threading.Event()
+    back.set()
+
+    def watch_finish() -> None:
+        """Once fenced, this worker rejoins; if the others finish the job before it is back in a
+        configuration, there is nothing left to rejoin (no configuration will form again): leave."""
+        store = _control_store()  # a connection of its own: TCPStore clients are not thread-safe
+        while not back.is_set():
+            if _finished(store, finished):
+                log.emit("left", reason="fenced, and the job finished while it was out", step=manager.step)
+                _exit(log)
+            time.sleep(0.1)
+
+    def on_event(kind: str, info: dict[str, Any]) -> None:
+        extra: dict[str, Any] = {"member": manager.member.id, "epoch_now": manager.epoch}
+        if kind == "recovered":
+            extra["fp"] = manager.fingerprint()
+        log.emit(kind, **info, **extra)
+        if kind == "fenced" and back.is_set():
+            back.clear()
+            threading.Thread(target=watch_finish, name="chaos-finish-watch", daemon=True).start()
+        elif kind == "reconfigured":
+            back.set()
+
+    manager.add_listener(on_event)
+    ddp = manager.ddp(model)
+    die = opts.get("die", {}).get(str(slot))
+    if die:
+        claim_prefix = f"chaos/{opts['trial']}/"
+        pg.register_pre_hook(7, suicide_hook(manager, die, lambda k: control.add(claim_prefix + k, 1) == 1, log))
+    opt = ManagedOptimizer(manager, optim)
+    steps = int(opts["steps"])
+    interval = float(opts.get("interval", 0.0))
+    while manager.step < steps:
+        opt.zero_grad()
+        x, y = batch_for(manager.step, manager.rank, manager.world_size)
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        if opt.step():
+            log.emit("commit", step=manager.step, fp=manager.fingerprint(), member=manager.member.id,
+                     epoch=manager.epoch, world_size=manager.world_size)
+        else:
+            log.emit("aborted", step=manager.step, member=manager.member.id)
+        if interval:
+            time.sleep(interval)
+    log.emit("final", step=manager.step, hash=manager.state_hash(), member=manager.member.id)
+    # Stay until every member of the last configuration finished, so that one leaving early
+    # does not look like a failure to the others' last step.
+    try:
+        control.add(finished, 1)
+        deadline = time.monotonic() + 20
+        while int(control.add(finished, 0)) < manager.world_size and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception as exc:  # the store gone: leave anyway
+        log.emit("warning", error=f"finish barrier: {exc}")
+    manager.close()
+    _exit(log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""``ftc10d chaos``: run N randomized trials (or replay one) and summarize.
+
+Trial ``k`` of a run with seed ``S`` has seed ``trial_seeds(S, N)[k]``, and its schedule
+is drawn from that seed alone, so a run is reproducible trial by trial. Each trial's
+record goes to ``<out>/trials/<k>-<seed>.json`` (pass that file to ``--replay``), and
+``<out>/summary.json`` holds: ``trials``, ``survived``, ``violations`` (seed, schedule,
+what broke, the replay file), ``faults_by_kind``, ``worst_stall_s_by_kind`` and the
+command line to run it again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Optional
+
+from ftc10d.chaos import netns
+from ftc10d.chaos.schedule import available_kinds, draw, load_replay, trial_seeds
+from ftc10d.chaos.trial import TrialResult, run_trial
+
+
+def summarize(results: list[TrialResult], command: str) -> dict[str, Any]:
+    """The ``summary.json`` of a run."""
+    by_kind: Counter[str] = Counter()
+    worst: dict[str, float] = {}
+    skipped: Counter[str] = Counter()
+    for r in results:
+        for inj in r.injected:
+            kind = inj.fault.kind
+            if inj.skipped:
+                skipped[kind] += 1
+                continue
+            by_kind[kind] += 1
+            if inj.stall_s is not None:
+                worst[kind] = max(worst.get(kind, 0.0), inj.stall_s)
+    violations = [{"seed": r.spec.seed, "schedule": r.spec.describe(), "violations": r.violations,
+                   "replay": str(Path(r.folder).with_suffix(".json")) if r.folder else None} for r in results
+                  if r.violations]
+    return {
+        "trials": len(results),
+        "survived": sum(r.survived for r in results),
+        "violations": violations,
+        "faults_by_kind": dict(sorted(by_kind.items())),
+        "faults_skipped_by_kind": dict(sorted(skipped.items())),
+        "worst_stall_s_by_kind": {k: (round(v, 3) if math.isfinite(v) else None) for k, v in sorted(worst.items())},
+        "trial_seconds": [round(r.duration_s, 1) for r in results],
+        "command": command,
+    }
+
+
+def _print_result(k: int, n: int, r: TrialResult) -> None:
+    stalls = ", ".join(f"{i.fault.kind} {i.stall_s:.2f}s" if i.stall_s is not None and math.isfinite(i.stall_s)
+                       else f"{i.fault.kind} skipped ({i.skipped})" if i.skipped else f"{i.fault.kind} ∞"
+                       for i in r.injected)
+    verdict = "survived" if r.survived else "VIOLATION"
+    print(f"trial {k + 1}/{n} seed {r.spec.seed}: {verdict} in {r.duration_s:.1f}s; stall: {stalls or '-'}",
+          flush=True)
+    if not r.survived:
+        print(f"  schedule: {r.spec.describe()}", flush=True)
+        for v in r.violations:
+            print(f"  broke: {v}", flush=True)
+        print(f"  replay: ftc10d chaos --replay {Path(r.folder).with_suffix('.json')}", flush=True)
+
+
+def run(*, trials: int, seed: int, out: str, replay: Optional[str] = None, hosts: int = 1, world_size: int = 4,
+        steps: int = 60, heartbeat_timeout: float = 0.75, keep: bool = False, command: str = "") -> int:
+    """Run the trials; returns 0 iff every trial survived."""
+    out_dir = Path(out)
+    (out_dir / "trials").mkdir(parents=True, exist_ok=True)
+    if replay is not None:
+        specs = [load_replay(replay)]
+    else:
+        ok, why = netns.available()
+        if hosts > 1 and not ok:
+            print(f"ftc10d chaos: --hosts {hosts} ignored: {why}; running on one host", file=sys.stderr)
+            hosts = 1
+        kinds = available_kinds(hosts, ok)
+        specs = [draw(s, world_size=world_size, steps=steps, heartbeat_timeout=heartbeat_timeout, hosts=hosts,
+                      kinds=kinds) for s in trial_seeds(seed, trials)]
+    print(f"ftc10d chaos: {len(specs)} trial(s), {world_size} workers + 1 warm spare, {steps} steps, heartbeat "
+          f"timeout {heartbeat_timeout:g} s, {hosts} host(s), out {out_dir}", flush=True)
+    results: list[TrialResult] = []
+    t0 = time.time()
+    for k, spec in enumerate(specs):
+        print(f"trial {k + 1}/{len(specs)} seed {spec.seed}: {spec.describe()}", flush=True)
+        folder = out_dir / "trials" / f"{k}-{spec.seed}"
+        if folder.exists():
+            shutil.rmtree(folder)
+        result = run_trial(spec, folder, lambda s: print(s, flush=True))
+        folder.with_suffix(".json").write_text(json.dumps(result.to_json(), indent=1, default=str))
+        results.append(result)
+        _print_result(k, len(specs), result)
+        if result.survived and not keep:
+            shutil.rmtree(folder, ignore_errors=True)  # the record (.json) stays; the logs of failures too
+        summary = summarize(results, command)
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    summary = summarize(results, command)
+    print(f"ftc10d chaos: {summary['survived']}/{summary['trials']} trials survived in {time.time() - t0:.0f} s; "
+          f"faults {summary['faults_by_kind']}; worst stall {summary['worst_stall_s_by_kind']}; "
+          f"summary {out_dir / 'summary.json'}", flush=True)
+    return 0 if summary["survived"] == summary["trials"] else 1
+

@@ -1,0 +1,213 @@
+"""Fault schedules: what a chaos trial injects, drawn from a seeded RNG, replayable.
+
+A schedule is data, not code: a list of :class:`Fault` that serializes to JSON and
+back unchanged, so that a failed trial's record *is* its reproducer (``ftc10d chaos
+--replay trial.json`` runs the same schedule on the same job). Everything random
+about a trial (kinds, slots, steps, durations) is drawn here from one
+``random.Random(seed)``; only the machine's timing is not replayed.
+
+Kinds (``KINDS``), with ``hb`` the heartbeat timeout:
+
+- ``kill``        SIGKILL the worker of ``slot`` once the job committed ``at_step``;
+- ``stop_short``  SIGSTOP, SIGCONT after ``duration`` < hb (nobody is removed);
+- ``stop_long``   SIGSTOP, SIGCONT after ``duration`` > hb (removed, fenced, rejoins);
+- ``slow``        a SIGSTOP/SIGCONT duty cycle for ``duration`` (each pause < hb):
+                  a rank that computes at a fraction of the others' speed;
+- ``double``      two faults at once: SIGKILL ``slot``, and 0-30 ms later ``kind2``
+                  (``kill`` or ``stop_long``) on ``slot2``;
+- ``die_vote``    the worker of ``slot`` SIGKILLs itself inside the commit vote of the
+                  first step after ``at_step`` (the job's ``die`` option);
+- ``die_send``    ``slot`` is SIGKILLed at ``at_step``; the survivor that then starts
+                  sending the state to the replacement SIGKILLs itself as it sends;
+- ``partition``   the network link of host ``slot`` (``--hosts`` > 1, root) is cut for
+                  ``duration`` > hb, then restored.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Optional
+
+from ftc10d.types import InvalidOptionError
+
+KINDS = ("kill", "stop_short", "stop_long", "slow", "double", "die_vote", "die_send", "partition")
+#: Kinds a ``double`` combines.
+DOUBLE_PARTS = ("kill", "stop_long")
+#: Job steps before the first fault (warm-up) and after the last one (time to recover and finish).
+FIRST_FAULT_STEP = 8
+TAIL_STEPS = 15
+
+
+class ScheduleError(InvalidOptionError):
+    """A schedule (or a replay file) that cannot be run; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault of a trial. ``slot`` is a launcher slot (a host index for ``partition``)."""
+
+    kind: str
+    slot: int
+    at_step: int
+    duration: Optional[float] = None
+    slot2: Optional[int] = None
+    kind2: Optional[str] = None
+    gap_s: float = 0.0  # double: delay between the two faults
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None and not (k == "gap_s" and v == 0.0)}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "Fault":
+        if not isinstance(obj, dict):
+            raise ScheduleError(f"a fault must be a JSON object, got {obj!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(obj) - known)
+        if unknown:
+            raise ScheduleError(f"fault {obj!r}: unknown fields {unknown}")
+        try:
+            fault = cls(**obj)
+        except TypeError as exc:
+            raise ScheduleError(f"fault {obj!r}: {exc}") from None
+        if fault.kind not in KINDS:
+            raise ScheduleError(f"fault {obj!r}: unknown kind {fault.kind!r}; kinds: {', '.join(KINDS)}")
+        return fault
+
+    def __str__(self) -> str:
+        dur = f" for {self.duration:.2f} s" if self.duration is not None else ""
+        if self.kind == "double":
+            return (f"double@{self.at_step}: kill slot {self.slot} + {self.kind2} slot {self.slot2} "
+                    f"{self.gap_s * 1000:.0f} ms later{dur}")
+        where = f"host {self.slot}" if self.kind == "partition" else f"slot {self.slot}"
+        return f"{self.kind}@{self.at_step} {where}{dur}"
+
+@dataclass
+class TrialSpec:
+    """Everything that defines one trial (what ``--replay`` reads back)."""
+
+    seed: int
+    faults: list[Fault]
+    world_size: int = 4
+    steps: int = 60
+    heartbeat_timeout: float = 0.75
+    hosts: int = 1
+    spares: int = 1
+    interval: float = 0.02
+    timeout: float = 150.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["faults"] = [f.to_json() for f in self.faults]
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "TrialSpec":
+        if isinstance(obj, dict) and "spec" in obj:  # a whole trial record (trials/<n>.json)
+            obj = obj["spec"]
+        if not isinstance(obj, dict) or "seed" not in obj or "faults" not in obj:
+            raise ScheduleError("a replay file holds a trial record or its 'spec': {seed, faults, ...}")
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in obj.items() if k in known}
+        kwargs["faults"] = [Fault.from_json(f) for f in obj["faults"]]
+        spec = cls(**kwargs)
+        validate(spec)
+        return spec
+
+    def describe(self) -> str:
+        return "; ".join(str(f) for f in self.faults) or "no faults"
+
+
+def validate(spec: TrialSpec) -> None:
+    """Raise ScheduleError unless every fault fits the job (slots, steps, hosts)."""
+    if spec.world_size < 3:
+        raise ScheduleError("a chaos trial needs at least 3 workers (a removal must leave a majority)")
+    if spec.steps < FIRST_FAULT_STEP + TAIL_STEPS:
+        raise ScheduleError(f"a chaos trial needs at least {FIRST_FAULT_STEP + TAIL_STEPS} steps")
+    for f in spec.faults:
+        limit = spec.hosts if f.kind == "partition" else spec.world_size
+        if not 0 <= f.slot < limit:
+            raise ScheduleError(f"{f}: slot {f.slot} is not in [0, {limit})")
+        if f.kind == "partition" and (spec.hosts < 2 or f.slot == 0):
+            raise ScheduleError(f"{f}: a partition cuts host 1..{spec.hosts - 1} (--hosts > 1); host 0 hosts "
+                                "the coordinator")
+        if not 1 <= f.at_step < spec.steps:
+            raise ScheduleError(f"{f}: step {f.at_step} is not in [1, {spec.steps})")
+        if f.kind == "double":
+            if (f.slot2 is None or f.kind2 not in DOUBLE_PARTS or f.slot2 == f.slot
+                    or not 0 <= f.slot2 < spec.world_size):
+                raise ScheduleError(f"{f}: a double needs slot2 != slot and kind2 in {DOUBLE_PARTS}")
+        if f.kind in ("stop_short", "stop_long", "slow", "partition") and (f.duration is None or f.duration <= 0):
+            raise ScheduleError(f"{f}: needs a positive duration")
+
+
+def hosts_of(world_size: int, hosts: int) -> list[int]:
+    """Slot -> host: hosts 1..H-1 get one worker each, host 0 (the coordinator's) the rest,
+    so that cutting any one host off leaves a strict majority on host 0's side."""
+    if hosts < 1 or world_size - (hosts - 1) <= world_size // 2:
+        raise ScheduleError(f"--hosts {hosts} with {world_size} workers: a cut-off host must be a minority; "
+                            f"use at most {(world_size + 1) // 2 - 1 + 1} hosts")
+    return [0] * (world_size - (hosts - 1)) + list(range(1, hosts))
+
+
+def draw_fault(rng: random.Random, kind: str, at_step: int, world_size: int, hb: float, hosts: int) -> Fault:
+    """One fault of ``kind`` at ``at_step``, with its slot(s) and duration drawn from ``rng``."""
+    slot = rng.randrange(world_size)
+    if kind == "stop_short":
+        return Fault(kind, slot, at_step, round(rng.uniform(0.2, 0.6) * hb, 3))
+    if kind == "stop_long":
+        return Fault(kind, slot, at_step, round(rng.uniform(2.0, 3.5) * hb, 3))
+    if kind == "slow":
+        return Fault(kind, slot, at_step, round(rng.uniform(1.5, 3.0), 3))
+    if kind == "double":
+        slot2 = rng.choice([s for s in range(world_size) if s != slot])
+        kind2 = rng.choice(DOUBLE_PARTS)
+        duration = round(rng.uniform(2.0, 3.0) * hb, 3) if kind2 == "stop_long" else None
+        return Fault(kind, slot, at_step, duration, slot2=slot2, kind2=kind2, gap_s=round(rng.uniform(0, 0.03), 4))
+    if kind == "partition":
+        return Fault(kind, rng.randrange(1, hosts), at_step, round(rng.uniform(2.0, 3.5) * hb, 3))
+    return Fault(kind, slot, at_step)
+
+
+def available_kinds(hosts: int, partition_ok: bool) -> tuple[str, ...]:
+    return tuple(k for k in KINDS if k != "partition" or (hosts > 1 and partition_ok))
+
+
+def draw(seed: int, *, world_size: int = 4, steps: int = 60, heartbeat_timeout: float = 0.75, hosts: int = 1,
+         kinds: Optional[tuple[str, ...]] = None, max_faults: int = 2, **spec_kwargs: Any) -> TrialSpec:
+    """The trial of ``seed``: 1..``max_faults`` faults at steps far enough apart that the job
+    recovers from one before the next (a ``double`` is the at-once case)."""
+    rng = random.Random(seed)
+    kinds = kinds or available_kinds(hosts, False)
+    count = rng.randint(1, max_faults)
+    last = steps - TAIL_STEPS
+    span = max((last - FIRST_FAULT_STEP) // count, 1)
+    faults = []
+    for i in range(count):
+        lo = FIRST_FAULT_STEP + i * span
+        at = rng.randint(lo, max(lo, lo + span - 6))
+        faults.append(draw_fault(rng, rng.choice(kinds), at, world_size, heartbeat_timeout, hosts))
+    # die_vote / die_send arm the job at launch: at most one of each per trial.
+    seen: set[str] = set()
+    faults = [f for f in faults if f.kind not in ("die_vote", "die_send") or not (f.kind in seen or seen.add(f.kind))]
+    spec = TrialSpec(seed, faults, world_size=world_size, steps=steps, heartbeat_timeout=heartbeat_timeout,
+                     hosts=hosts, **spec_kwargs)
+    validate(spec)
+    return spec
+
+
+def trial_seeds(seed: int, n: int) -> list[int]:
+    """The seeds of a run's trials: a run of N trials with seed S is N trials of fixed seeds."""
+    rng = random.Random(seed)
+    return [rng.getrandbits(31) for _ in range(n)]
+
+
+def load_replay(path: str) -> TrialSpec:
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ScheduleError(f"cannot read replay file {path!r}: {exc}") from None
+    return TrialSpec.from_json(obj)

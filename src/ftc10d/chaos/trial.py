@@ -1,0 +1,444 @@
+"""One chaos trial: launch the job, inject its schedule, then check everything.
+
+The job runs through :class:`ftc10d.launch.Launcher` exactly as under ``ftc10d
+launch`` (one launcher per host; host 0's hosts the coordinator), with warm
+spares. Faults are injected from this process: signals to a slot's worker pid
+(``Launcher.kill``), the job's ``die`` option armed at launch, a link of a network
+namespace taken down. The driver loop is a single thread ticking every 10 ms:
+it tails the workers' event files for the job's progress and fires each fault
+when its step is committed, plus the timed halves (SIGCONT, duty cycles, heal).
+
+After the job, whatever happened: every stopped process is resumed, links are
+restored, launchers closed; then :mod:`ftc10d.chaos.checks` judges the event
+files, the membership chain and the machine (leftover processes, /dev/shm,
+ports). A trial is *survived* when it has no violation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ftc10d.chaos import checks
+from ftc10d.chaos.netns import Hosts
+from ftc10d.chaos.schedule import Fault, TrialSpec, hosts_of
+
+logger = logging.getLogger("ftc10d")
+
+JOB = str(Path(__file__).with_name("job.py"))
+TICK_S = 0.01
+#: Slow rank: one SIGSTOP/SIGCONT period and the stopped fraction of it.
+SLOW_PERIOD_S, SLOW_STOPPED = 0.1, 0.5
+#: A fault whose slot has no live worker (being replaced) waits this long, then is skipped.
+RETARGET_S = 15.0
+
+
+@dataclass
+class Injected:
+    """A fault as it happened: when, on which pids, when it ended, and the stall it caused."""
+
+    fault: Fault
+    t_fault: Optional[float] = None
+    t_end: Optional[float] = None
+    pids: list[int] = field(default_factory=list)
+    skipped: Optional[str] = None
+    stall_s: Optional[float] = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fault": self.fault.to_json(), "desc": str(self.fault), "t_fault": self.t_fault, "t_end": self.t_end,
+                "pids": self.pids, "skipped": self.skipped, "stall_s": self.stall_s}
+
+
+@dataclass
+class TrialResult:
+    spec: TrialSpec
+    violations: list[str]
+    injected: list[Injected]
+    duration_s: float
+    returncode: Optional[int]
+    notes: list[str] = field(default_factory=list)
+    folder: str = ""
+
+    @property
+    def survived(self) -> bool:
+        return not self.violations
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seed": self.spec.seed, "schedule": self.spec.describe(), "spec": self.spec.to_json(),
+                "survived": self.survived, "violations": self.violations,
+                "faults": [i.to_json() for i in self.injected], "duration_s": round(self.duration_s, 3),
+                "returncode": self.returncode, "notes": self.notes, "folder": self.folder}
+
+
+class Tail:
+    """New complete lines of the ``*.jsonl`` files of a folder since the last poll."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._pos: dict[Path, int] = {}
+
+    def poll(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for f in sorted(self.folder.glob("*.jsonl")):
+            try:
+                with open(f, "rb") as fh:
+                    fh.seek(self._pos.get(f, 0))
+                    data = fh.read()
+            except FileNotFoundError:
+                continue
+            end = data.rfind(b"\n") + 1  # a torn last line is read again next time
+            self._pos[f] = self._pos.get(f, 0) + end
+            for line in data[:end].splitlines():
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+        return out
+
+
+class Trial:
+    """Runs one :class:`TrialSpec` in ``folder``; :meth:`run` returns the :class:`TrialResult`."""
+
+    def __init__(self, spec: TrialSpec, folder: Path, say: Callable[[str], None] = lambda s: None) -> None:
+        self.spec = spec
+        self.folder = Path(folder)
+        self.say = say
+        self.events_dir = self.folder / "events"
+        self.trial_id = f"{spec.seed}-{os.getpid()}-{time.monotonic_ns() % 10**9}"
+        self.host_of = hosts_of(spec.world_size, spec.hosts)
+        self.launchers: list[Any] = []
+        self.launch_events: list[Any] = []
+        self.pids: set[int] = set()
+        self.stopped: set[int] = set()
+        self.timers: list[tuple[float, Callable[[], None]]] = []
+        self.net = Hosts(spec.hosts)
+        self.notes: list[str] = []
+        self.killed: set[int] = set()
+        self.t_close = float("inf")
+
+    # ------------------------------------------------------------ launching
+
+    def _die_opts(self) -> dict[str, Any]:
+        die: dict[str, Any] = {}
+        for f in self.spec.faults:
+            if f.kind == "die_vote":
+                die[str(f.slot)] = {"op": "vote", "after_step": f.at_step}
+            elif f.kind == "die_send":
+                for s in range(self.spec.world_size):
+                    if s != f.slot and str(s) not in die:
+                        die[str(s)] = {"op": "send", "after_step": f.at_step}
+        return die
+
+    def _launch(self) -> None:
+        from ftc10d.launch import LaunchConfig, Launcher
+
+        src = str(Path(__file__).resolve().parents[2])
+        pythonpath = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
+        die = self._die_opts()
+        address: Optional[str] = None
+        for host in range(self.spec.hosts):
+            slots = [s for s, h in enumerate(self.host_of) if h == host]
+            opts = {"out": str(self.folder), "trial": self.trial_id, "steps": self.spec.steps,
+                    "interval": self.spec.interval, "world": self.spec.world_size, "rank_base": slots[0], "die": die}
+            env = {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "FTC10D_CHAOS_OPTS": json.dumps(opts),
+                   "FTC10D_FLIGHT_RECORDER": "0"}
+            if self.spec.hosts > 1:
+                env["GLOO_SOCKET_IFNAME"] = self.net.ifname_of(host)
+            cfg = LaunchConfig(
+                script=JOB, nproc_per_node=len(slots), spares=self.spec.spares if host == 0 else 0,
+                max_restarts=10, coordinator=address, host=self.net.ip_of(0) if self.spec.hosts > 1 else "127.0.0.1",
+                heartbeat_timeout=self.spec.heartbeat_timeout, min_members=2, env=env,
+                log_dir=str(self.folder / "logs" / f"host{host}"), python=self.net.python_for(host, self.folder),
+            )
+            launcher = Launcher(cfg, on_event=self._on_launch_event)
+            launcher.start()
+            self.launchers.append(launcher)
+            address = launcher.coordinator_address if address is None else address
+
+    def _on_launch_event(self, ev: Any) -> None:  # on a launcher's supervisor thread
+        self.launch_events.append(ev)
+        if ev.pid is not None:
+            self.pids.add(ev.pid)
+
+    def _where(self, slot: int) -> tuple[Any, int]:
+        host = self.host_of[slot]
+        first = self.host_of.index(host)
+        return self.launchers[host], slot - first
+
+    def _pid(self, slot: int) -> Optional[int]:
+        launcher, local = self._where(slot)
+        return launcher.pids().get(local)
+
+    def _signal(self, slot: int, sig: int) -> int:
+        launcher, local = self._where(slot)
+        pid = launcher.kill(local, sig)
+        self.pids.add(pid)
+        if sig == signal.SIGSTOP:
+            self.stopped.add(pid)
+        elif sig == signal.SIGKILL:
+            self.killed.add(pid)
+        return pid
+
+    def _cont(self, pid: int) -> None:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        self.stopped.discard(pid)
+
+    # ------------------------------------------------------------ faults
+
+    def _inject(self, inj: Injected) -> bool:
+        """Fire ``inj``'s fault now if its target is there; False to try again next tick."""
+        f, now = inj.fault, time.time()
+        targets = [f.slot, f.slot2] if f.kind == "double" else [] if f.kind in ("partition", "die_vote") else [f.slot]
+        if any(self._pid(s) is None for s in targets if s is not None):
+            return False
+        inj.t_fault = now
+        hb = self.spec.heartbeat_timeout
+        if f.kind in ("kill", "die_send"):
+            inj.pids = [self._signal(f.slot, signal.SIGKILL)]
+            inj.t_end = now
+        elif f.kind in ("stop_short", "stop_long"):
+            pid = self._signal(f.slot, signal.SIGSTOP)
+            inj.pids = [pid]
+            self._at(now + (f.duration or hb), lambda: self._resume(inj, pid))
+        elif f.kind == "slow":
+            pid = self._signal(f.slot, signal.SIGSTOP)
+            inj.pids = [pid]
+            self._duty_cycle(inj, pid, now, now + (f.duration or 2.0))
+        elif f.kind == "double":
+            inj.pids = [self._signal(f.slot, signal.SIGKILL)]
+            if f.gap_s:
+                time.sleep(f.gap_s)
+            second = self._signal(f.slot2, signal.SIGKILL if f.kind2 == "kill" else signal.SIGSTOP)  # type: ignore
+            inj.pids.append(second)
+            if f.kind2 == "kill":
+                inj.t_end = time.time()
+            else:
+                self._at(now + (f.duration or 2 * hb), lambda: self._resume(inj, second))
+        elif f.kind == "partition":
+            self.net.cut(f.slot)
+            inj.pids = [p for s, h in enumerate(self.host_of) if h == f.slot and (p := self._pid(s)) is not None]
+            self._at(now + (f.duration or 2 * hb), lambda: self._heal(inj, f.slot))
+        self.say(f"  t+{now - self.t0:5.1f}s step {self.job_step}: {f}")
+        return True
+
+    def _at(self, t: float, fn: Callable[[], None]) -> None:
+        self.timers.append((t, fn))
+
+    def _resume(self, inj: Injected, pid: int) -> None:
+        self._cont(pid)
+        inj.t_end = time.time()
+
+    def _heal(self, inj: Injected, host: int) -> None:
+        self.net.heal(host)
+        inj.t_end = time.time()
+
+    def _duty_cycle(self, inj: Injected, pid: int, t: float, end: float) -> None:
+        """Stopped for SLOW_STOPPED of every SLOW_PERIOD_S until ``end`` (each pause far below hb)."""
+        stop_s = SLOW_PERIOD_S * SLOW_STOPPED
+
+        def cont() -> None:
+            self._cont(pid)
+            nxt = time.time() + SLOW_PERIOD_S - stop_s
+            if nxt >= end:
+                inj.t_end = time.time()
+            else:
+                self._at(nxt, stop)
+
+        def stop() -> None:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                self.stopped.add(pid)
+            except ProcessLookupError:
+                inj.t_end = time.time()
+                return
+            self._at(time.time() + stop_s, cont)
+
+        self._at(t + stop_s, cont)
+
+    # ------------------------------------------------------------ the run
+
+    def run(self) -> TrialResult:
+        spec = self.spec
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.events_dir.mkdir(exist_ok=True)
+        (self.folder / "spec.json").write_text(json.dumps(spec.to_json(), indent=1))
+        shm_before = checks.shm_entries()
+        sockets_before = checks.own_listening_sockets()
+        self.t0 = time.time()
+        self.job_step = 0
+        injected = [Injected(f) for f in sorted(spec.faults, key=lambda f: f.at_step)]
+        pending = [i for i in injected if i.fault.kind != "die_vote"]
+        violations: list[str] = []
+        rc: Optional[int] = None
+        chain: Optional[dict[int, list[str]]] = None
+        coordinator_port: Optional[int] = None
+        tail = Tail(self.events_dir)
+        deadline = time.monotonic() + spec.timeout
+        try:
+            self.net.start()
+            self._launch()
+            coordinator_port = int(self.launchers[0].coordinator_address.rpartition(":")[2])
+            waiting_since: dict[int, float] = {}
+            while rc is None:
+                for e in tail.poll():
+                    if e.get("pid"):
+                        self.pids.add(int(e["pid"]))
+                    if e["kind"] == "commit":
+                        self.job_step = max(self.job_step, int(e["step"]))
+                now = time.time()
+                for item in sorted([t for t in self.timers if t[0] <= now], key=lambda t: t[0]):
+                    self.timers.remove(item)
+                    item[1]()
+                while pending and self.job_step >= pending[0].fault.at_step:
+                    inj = pending[0]
+                    if self.job_step >= spec.steps - 3:
+                        inj.skipped = f"the job reached step {self.job_step} before the fault could be injected"
+                    elif not self._inject(inj):
+                        first = waiting_since.setdefault(id(inj), time.monotonic())
+                        if time.monotonic() - first < RETARGET_S:
+                            break
+                        inj.skipped = f"no live worker in the slot for {RETARGET_S:g} s"
+                    pending.pop(0)
+                for launcher in self.launchers:
+                    self.pids.update(launcher.spare_pids())
+                if time.monotonic() > deadline:
+                    violations.append(f"hang: the job did not finish within {spec.timeout:g} s (job step "
+                                      f"{self.job_step} of {spec.steps}; live workers "
+                                      f"{[lc.pids() for lc in self.launchers]})")
+                    break
+                codes = []
+                for launcher in self.launchers:
+                    try:
+                        codes.append(launcher.wait(timeout=0))
+                    except TimeoutError:
+                        codes.append(None)
+                if all(c is not None for c in codes):
+                    rc = max(codes)  # type: ignore[type-var]
+                    break
+                time.sleep(TICK_S)
+            chain = self._read_chain()
+        except Exception as exc:
+            logger.exception("chaos: trial %s failed to run", spec.seed)
+            violations.append(f"the trial could not run: {type(exc).__name__}: {exc}")
+        finally:
+            self.t_close = time.time()
+            for pid in list(self.stopped):
+                self._cont(pid)
+            for host in list(self.net.cut_hosts):
+                try:
+                    self.net.heal(host)
+                except Exception:
+                    pass
+            for launcher in reversed(self.launchers):
+                self.pids.update(launcher.spare_pids())
+                self.pids.update(launcher.pids().values())
+                launcher.close()
+            self.net.close()
+        duration = time.time() - self.t0
+        events = checks.read_events(self.events_dir)
+        self.pids.update(int(e["pid"]) for e in events)
+        if rc not in (None, 0):
+            violations.append(f"the job failed: launcher exit code {rc}")
+        violations += self._unexpected_exits(events)
+        violations += checks.check_commits(events, spec.steps)
+        violations += checks.check_fencing(events, chain)
+        for inj in pending:
+            if inj.skipped is None:
+                inj.skipped = "never injected (the job ended or hung first)"
+        self._timing(injected, events)
+        left = checks.wait_no_leftovers(self.pids)
+        if left:
+            violations.append(f"processes left running: {left}")
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        leaked, other = checks.leaked_shm(shm_before, self.pids)
+        if leaked:
+            violations.append(f"leaked /dev/shm entries: {leaked}")
+        if other:
+            self.notes.append(f"new /dev/shm entries not attributable to the trial: {other[:5]}")
+        if coordinator_port is not None and self.spec.hosts == 1 and coordinator_port in checks.listening_ports():
+            violations.append(f"the coordinator's port {coordinator_port} is still listening")
+        if checks.own_listening_sockets() > sockets_before:
+            violations.append("the chaos runner holds more listening sockets than before the trial")
+        return TrialResult(spec, violations, injected, duration, rc, self.notes, str(self.folder))
+
+    def _read_chain(self) -> Optional[dict[int, list[str]]]:
+        """epoch -> member ids of every configuration, from the coordinator (before it closes)."""
+        from ftc10d.membership import Agreement, TCPMembershipStore
+        from ftc10d.membership.records import Signer
+
+        try:
+            host, _, port = self.launchers[0].coordinator_address.rpartition(":")
+            ag = Agreement(TCPMembershipStore(host, int(port)), Signer(None))
+            latest = ag.latest()
+            if latest is None:
+                return None
+            chain = {}
+            for ep in range(1, latest.epoch + 1):
+                cfg = ag.read_config(ep)
+                if cfg is not None:
+                    chain[ep] = list(cfg.members)
+            return chain
+        except Exception as exc:
+            self.notes.append(f"could not read the membership chain: {exc}")
+            return None
+
+    def _unexpected_exits(self, events: list[dict[str, Any]]) -> list[str]:
+        """Workers that exited non-zero without being killed by the schedule (a crash under faults)."""
+        suicides = {int(e["pid"]) for e in events if e["kind"] == "suicide"}
+        out = []
+        for ev in self.launch_events:
+            if ev.kind != "exited" or ev.detail.get("returncode") in (0, None):
+                continue
+            if ev.pid in self.killed or ev.pid in suicides:
+                continue
+            if ev.time >= self.t_close:  # the launcher's shutdown after a hang
+                continue
+            out.append(f"worker pid {ev.pid} (slot {ev.slot}) exited with {ev.detail} without being killed "
+                       f"(log: {self.folder / 'logs'})")
+        return out
+
+    def _timing(self, injected: list[Injected], events: list[dict[str, Any]]) -> None:
+        """Fill in die_vote's time (when the worker killed itself) and every fault's stall."""
+        suicides = sorted((e["t"], e) for e in events if e["kind"] == "suicide")
+        for inj in injected:
+            if inj.fault.kind == "die_vote":
+                hit = [e for _, e in suicides if e["op"] == "vote"]
+                if hit:
+                    inj.t_fault = inj.t_end = hit[0]["t"]
+                    inj.pids = [hit[0]["pid"]]
+                else:
+                    inj.skipped = "the armed worker never died in a vote (it was replaced first?)"
+        times = checks.commit_times(events)
+        done = sorted((i for i in injected if i.t_fault is not None), key=lambda i: i.t_fault or 0.0)
+        for k, inj in enumerate(done):
+            until = (inj.t_end or inj.t_fault or 0.0) + 3.0
+            if k + 1 < len(done):
+                until = min(until, done[k + 1].t_fault or until)
+            inj.stall_s = checks.stall_after(times, inj.t_fault or 0.0, until)
+            if inj.stall_s is None:
+                inj.stall_s = float("inf")
+
+
+def run_trial(spec: TrialSpec, folder: Path, say: Callable[[str], None] = lambda s: None) -> TrialResult:
+    return Trial(spec, folder, say).run()
+
+
+if __name__ == "__main__":  # pragma: no cover - a quick manual run: python -m ftc10d.chaos.trial SEED
+    from ftc10d.chaos.schedule import draw
+
+    result = run_trial(draw(int(sys.argv[1])), Path(sys.argv[2] if len(sys.argv) > 2 else "chaos-trial"), print)
+    print(json.dumps(result.to_json(), indent=1))
