@@ -118,7 +118,11 @@ def test_member_dies_during_the_commit_vote(coordinator: Coordinator, vote: str)
     pids = [r["pid"] for r in results.values()] + [job.pid(3)]
     assert check_invariant(job.store, pids, steps) >= steps - 1
     assert len({r["final"] for r in results.values()}) == 1
-    assert all(r["steps"] == steps and r["aborted"] >= 1 for r in results.values())
+    # every survivor threw the interrupted step away (or, on a starved machine, was itself
+    # removed meanwhile, rejoined and received the committed state)
+    assert all(r["steps"] == steps and (r["aborted"] >= 1 or any(e[1] == "fenced" for e in r["events"]))
+               for r in results.values()), \
+        {r: (v["steps"], v["aborted"], [e[1] for e in v["events"]]) for r, v in results.items()}
 
 
 @pytest.mark.parametrize("vote", ["fused", "separate"])
