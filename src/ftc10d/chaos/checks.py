@@ -124,6 +124,45 @@ def check_fencing(events: list[dict[str, Any]], chain: Optional[dict[int, list[s
     return problems
 
 
+def condense(problems: list[str], per_kind: int = 3) -> list[str]:
+    """At most ``per_kind`` problems that start alike (one broken step breaks every later one too),
+    plus how many more there were: a report a human reads."""
+    out: list[str] = []
+    counts: dict[str, int] = defaultdict(int)
+    for p in problems:
+        key = " ".join(p.split()[:3])
+        counts[key] += 1
+        if counts[key] <= per_kind:
+            out.append(p)
+    out += [f"... and {n - per_kind} more like {k!r}" for k, n in counts.items() if n > per_kind]
+    return out
+
+
+def coverage(events: list[dict[str, Any]]) -> dict[str, int]:
+    """What the trial exercised (so a clean trial can be told from one where nothing happened):
+    states received, members fenced, fenced processes that committed again as a new member,
+    suicides in the vote or while sending state, steps not committed."""
+    out = {"recovered": 0, "fenced": 0, "rejoined_and_committed": 0, "suicides": 0, "aborted_steps": 0}
+    for evs in by_pid(events).values():
+        fenced = False
+        counted = False
+        for e in evs:
+            k = e["kind"]
+            if k == "recovered" and int(e.get("step", 0)) > 0:
+                out["recovered"] += 1
+            elif k == "fenced":
+                out["fenced"] += 1
+                fenced = True
+            elif k == "commit" and fenced and not counted:
+                out["rejoined_and_committed"] += 1
+                counted = True
+            elif k == "suicide":
+                out["suicides"] += 1
+            elif k == "aborted":
+                out["aborted_steps"] += 1
+    return out
+
+
 def _ranges(xs: list[int]) -> str:
     out, start = [], None
     for i, x in enumerate(xs):
@@ -203,10 +242,12 @@ def shm_entries() -> set[str]:
 
 
 def leaked_shm(before: set[str], pids: set[int]) -> tuple[list[str], list[str]]:
-    """(leaked, unattributed): new ``/dev/shm`` entries naming one of the trial's pids or
-    ftc10d are leaks; other new entries (the machine is shared) are only reported."""
+    """(leaked, unattributed): new ``/dev/shm`` entries naming one of the trial's pids (as
+    torch's ``torch_<pid>_...`` segments do) are leaks; other new entries are only reported,
+    because the machine is shared (other jobs' tests make and remove their own)."""
     new = sorted(shm_entries() - before)
-    ours = [n for n in new if "ftc10d" in n or any(str(p) in n.replace("-", "_").split("_") for p in pids)]
+    tokens = {n: set(n.replace("-", "_").replace(".", "_").split("_")) for n in new}
+    ours = [n for n in new if any(str(p) in tokens[n] for p in pids)]
     return ours, [n for n in new if n not in ours]
 
 

@@ -87,15 +87,36 @@ def suicide_hook(manager: Manager, die: dict[str, Any], claim: Callable[[str], b
     return hook
 
 
-def _control_store() -> dist.TCPStore:
-    host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
-    return dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=30))
+class Control:
+    """The coordinator store, for the job's own keys (finish barrier, claims). Reconnects
+    on the next call after a failure: the store may be cut off, or killed and restarted."""
+
+    def __init__(self) -> None:
+        self._store: Any = None
+
+    def call(self, fn: Callable[[dist.TCPStore], Any]) -> Any:
+        try:
+            if self._store is None:
+                host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
+                self._store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+                                            timeout=timedelta(seconds=5))
+            return fn(self._store)
+        except Exception:
+            self._store = None
+            raise
 
 
-def _finished(control: dist.TCPStore, key: str) -> bool:
+def _finished(control: Control, key: str) -> bool:
     try:
-        return bool(control.check([key]))
-    except Exception:  # the store unreachable (a cut link): not known to be finished
+        return bool(control.call(lambda s: s.check([key])))
+    except Exception:  # the store unreachable (a cut link, a restart): not known to be finished
+        return False
+
+
+def _claim(control: Control, key: str) -> bool:
+    try:
+        return int(control.call(lambda s: s.add(key, 1))) == 1
+    except Exception:
         return False
 
 
@@ -118,7 +139,7 @@ def main() -> int:
     restart = int(os.environ.get("FTC10D_RESTART_COUNT", "0"))
     log = EventLog(os.path.join(opts["out"], "events"), slot)
     log.emit("start", restart=restart)
-    control = _control_store()
+    control = Control()
     finished = f"chaos/{opts['trial']}/finished"
     if _finished(control, finished):  # a replacement started as the job ended: nothing to join
         log.emit("left", reason="the job had finished")
@@ -137,7 +158,7 @@ def main() -> int:
     def watch_finish() -> None:
         """Once fenced, this worker rejoins; if the others finish the job before it is back in a
         configuration, there is nothing left to rejoin (no configuration will form again): leave."""
-        store = _control_store()  # a connection of its own: TCPStore clients are not thread-safe
+        store = Control()  # a connection of its own: TCPStore clients are not thread-safe
         while not back.is_set():
             if _finished(store, finished):
                 log.emit("left", reason="fenced, and the job finished while it was out", step=manager.step)
@@ -160,7 +181,7 @@ def main() -> int:
     die = opts.get("die", {}).get(str(slot))
     if die:
         claim_prefix = f"chaos/{opts['trial']}/"
-        pg.register_pre_hook(7, suicide_hook(manager, die, lambda k: control.add(claim_prefix + k, 1) == 1, log))
+        pg.register_pre_hook(7, suicide_hook(manager, die, lambda k: _claim(control, claim_prefix + k), log))
     opt = ManagedOptimizer(manager, optim)
     steps = int(opts["steps"])
     interval = float(opts.get("interval", 0.0))
@@ -180,9 +201,9 @@ def main() -> int:
     # Stay until every member of the last configuration finished, so that one leaving early
     # does not look like a failure to the others' last step.
     try:
-        control.add(finished, 1)
+        control.call(lambda s: s.add(finished, 1))
         deadline = time.monotonic() + 20
-        while int(control.add(finished, 0)) < manager.world_size and time.monotonic() < deadline:
+        while int(control.call(lambda s: s.add(finished, 0))) < manager.world_size and time.monotonic() < deadline:
             time.sleep(0.02)
     except Exception as exc:  # the store gone: leave anyway
         log.emit("warning", error=f"finish barrier: {exc}")

@@ -48,6 +48,7 @@ def summarize(results: list[TrialResult], command: str) -> dict[str, Any]:
         "faults_by_kind": dict(sorted(by_kind.items())),
         "faults_skipped_by_kind": dict(sorted(skipped.items())),
         "worst_stall_s_by_kind": {k: (round(v, 3) if math.isfinite(v) else None) for k, v in sorted(worst.items())},
+        "coverage": dict(sum((Counter(r.coverage) for r in results), Counter())),
         "trial_seconds": [round(r.duration_s, 1) for r in results],
         "command": command,
     }
@@ -68,7 +69,7 @@ def _print_result(k: int, n: int, r: TrialResult) -> None:
 
 
 def run(*, trials: int, seed: int, out: str, replay: Optional[str] = None, hosts: int = 1, world_size: int = 4,
-        steps: int = 60, heartbeat_timeout: float = 0.75, keep: bool = False, command: str = "") -> int:
+        steps: int = 150, heartbeat_timeout: float = 0.75, keep: bool = False, command: str = "") -> int:
     """Run the trials; returns 0 iff every trial survived."""
     out_dir = Path(out)
     (out_dir / "trials").mkdir(parents=True, exist_ok=True)
@@ -102,6 +103,7 @@ def run(*, trials: int, seed: int, out: str, replay: Optional[str] = None, hosts
     summary = summarize(results, command)
     print(f"ftc10d chaos: {summary['survived']}/{summary['trials']} trials survived in {time.time() - t0:.0f} s; "
           f"faults {summary['faults_by_kind']}; worst stall {summary['worst_stall_s_by_kind']}; "
+          f"exercised {summary['coverage']}; "
           f"summary {out_dir / 'summary.json'}", flush=True)
     return 0 if summary["survived"] == summary["trials"] else 1
 

@@ -20,7 +20,10 @@ Kinds (``KINDS``), with ``hb`` the heartbeat timeout:
 - ``die_send``    ``slot`` is SIGKILLed at ``at_step``; the survivor that then starts
                   sending the state to the replacement SIGKILLs itself as it sends;
 - ``partition``   the network link of host ``slot`` (``--hosts`` > 1, root) is cut for
-                  ``duration`` > hb, then restored.
+                  ``duration`` > hb, then restored;
+- ``store``       the coordinator store (``ftc10d coordinator``, a process of its own in
+                  trials that have this fault) is SIGKILLed and restarted on the same port
+                  ``duration`` later, with none of its state: members re-form.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any, Optional
 
 from ftc10d.types import InvalidOptionError
 
-KINDS = ("kill", "stop_short", "stop_long", "slow", "double", "die_vote", "die_send", "partition")
+KINDS = ("kill", "stop_short", "stop_long", "slow", "double", "die_vote", "die_send", "partition", "store")
 #: Kinds a ``double`` combines.
 DOUBLE_PARTS = ("kill", "stop_long")
 #: Job steps before the first fault (warm-up) and after the last one (time to recover and finish).
@@ -80,7 +83,8 @@ class Fault:
         if self.kind == "double":
             return (f"double@{self.at_step}: kill slot {self.slot} + {self.kind2} slot {self.slot2} "
                     f"{self.gap_s * 1000:.0f} ms later{dur}")
-        where = f"host {self.slot}" if self.kind == "partition" else f"slot {self.slot}"
+        where = f"host {self.slot}" if self.kind == "partition" else "coordinator" if self.kind == "store" \
+            else f"slot {self.slot}"
         return f"{self.kind}@{self.at_step} {where}{dur}"
 
 @dataclass
@@ -90,11 +94,11 @@ class TrialSpec:
     seed: int
     faults: list[Fault]
     world_size: int = 4
-    steps: int = 60
+    steps: int = 150
     heartbeat_timeout: float = 0.75
     hosts: int = 1
     spares: int = 1
-    interval: float = 0.02
+    interval: float = 0.03
     timeout: float = 150.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -127,7 +131,7 @@ def validate(spec: TrialSpec) -> None:
     if spec.steps < FIRST_FAULT_STEP + TAIL_STEPS:
         raise ScheduleError(f"a chaos trial needs at least {FIRST_FAULT_STEP + TAIL_STEPS} steps")
     for f in spec.faults:
-        limit = spec.hosts if f.kind == "partition" else spec.world_size
+        limit = spec.hosts if f.kind == "partition" else 1 if f.kind == "store" else spec.world_size
         if not 0 <= f.slot < limit:
             raise ScheduleError(f"{f}: slot {f.slot} is not in [0, {limit})")
         if f.kind == "partition" and (spec.hosts < 2 or f.slot == 0):
@@ -139,7 +143,8 @@ def validate(spec: TrialSpec) -> None:
             if (f.slot2 is None or f.kind2 not in DOUBLE_PARTS or f.slot2 == f.slot
                     or not 0 <= f.slot2 < spec.world_size):
                 raise ScheduleError(f"{f}: a double needs slot2 != slot and kind2 in {DOUBLE_PARTS}")
-        if f.kind in ("stop_short", "stop_long", "slow", "partition") and (f.duration is None or f.duration <= 0):
+        timed = ("stop_short", "stop_long", "slow", "partition", "store")
+        if f.kind in timed and (f.duration is None or f.duration <= 0):
             raise ScheduleError(f"{f}: needs a positive duration")
 
 
@@ -168,6 +173,8 @@ def draw_fault(rng: random.Random, kind: str, at_step: int, world_size: int, hb:
         return Fault(kind, slot, at_step, duration, slot2=slot2, kind2=kind2, gap_s=round(rng.uniform(0, 0.03), 4))
     if kind == "partition":
         return Fault(kind, rng.randrange(1, hosts), at_step, round(rng.uniform(2.0, 3.5) * hb, 3))
+    if kind == "store":
+        return Fault(kind, 0, at_step, round(rng.uniform(0.3, 1.5), 3))
     return Fault(kind, slot, at_step)
 
 
@@ -175,7 +182,7 @@ def available_kinds(hosts: int, partition_ok: bool) -> tuple[str, ...]:
     return tuple(k for k in KINDS if k != "partition" or (hosts > 1 and partition_ok))
 
 
-def draw(seed: int, *, world_size: int = 4, steps: int = 60, heartbeat_timeout: float = 0.75, hosts: int = 1,
+def draw(seed: int, *, world_size: int = 4, steps: int = 150, heartbeat_timeout: float = 0.75, hosts: int = 1,
          kinds: Optional[tuple[str, ...]] = None, max_faults: int = 2, **spec_kwargs: Any) -> TrialSpec:
     """The trial of ``seed``: 1..``max_faults`` faults at steps far enough apart that the job
     recovers from one before the next (a ``double`` is the at-once case)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ftc10d.chaos import checks
+from ftc10d.chaos.coordinator import CoordinatorProcess
 from ftc10d.chaos.netns import Hosts
 from ftc10d.chaos.schedule import Fault, TrialSpec, hosts_of
 
@@ -65,6 +67,7 @@ class TrialResult:
     returncode: Optional[int]
     notes: list[str] = field(default_factory=list)
     folder: str = ""
+    coverage: dict[str, int] = field(default_factory=dict)
 
     @property
     def survived(self) -> bool:
@@ -74,7 +77,8 @@ class TrialResult:
         return {"seed": self.spec.seed, "schedule": self.spec.describe(), "spec": self.spec.to_json(),
                 "survived": self.survived, "violations": self.violations,
                 "faults": [i.to_json() for i in self.injected], "duration_s": round(self.duration_s, 3),
-                "returncode": self.returncode, "notes": self.notes, "folder": self.folder}
+                "returncode": self.returncode, "notes": self.notes, "folder": self.folder,
+                "coverage": self.coverage}
 
 
 class Tail:
@@ -119,6 +123,7 @@ class Trial:
         self.stopped: set[int] = set()
         self.timers: list[tuple[float, Callable[[], None]]] = []
         self.net = Hosts(spec.hosts)
+        self.coord: Optional[CoordinatorProcess] = None
         self.notes: list[str] = []
         self.killed: set[int] = set()
         self.t_close = float("inf")
@@ -143,6 +148,11 @@ class Trial:
         pythonpath = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
         die = self._die_opts()
         address: Optional[str] = None
+        if any(f.kind == "store" for f in self.spec.faults):
+            self.coord = CoordinatorProcess(self.net.ip_of(0) if self.spec.hosts > 1 else "127.0.0.1",
+                                            self.spec.heartbeat_timeout, {"PYTHONPATH": pythonpath})
+            self.coord.start()
+            address = self.coord.address
         for host in range(self.spec.hosts):
             slots = [s for s, h in enumerate(self.host_of) if h == host]
             opts = {"out": str(self.folder), "trial": self.trial_id, "steps": self.spec.steps,
@@ -154,7 +164,7 @@ class Trial:
             cfg = LaunchConfig(
                 script=JOB, nproc_per_node=len(slots), spares=self.spec.spares if host == 0 else 0,
                 max_restarts=10, coordinator=address, host=self.net.ip_of(0) if self.spec.hosts > 1 else "127.0.0.1",
-                heartbeat_timeout=self.spec.heartbeat_timeout, min_members=2, env=env,
+                heartbeat_timeout=self.spec.heartbeat_timeout, min_members=min(2, len(slots)), env=env,
                 log_dir=str(self.folder / "logs" / f"host{host}"), python=self.net.python_for(host, self.folder),
             )
             launcher = Launcher(cfg, on_event=self._on_launch_event)
@@ -198,7 +208,8 @@ class Trial:
     def _inject(self, inj: Injected) -> bool:
         """Fire ``inj``'s fault now if its target is there; False to try again next tick."""
         f, now = inj.fault, time.time()
-        targets = [f.slot, f.slot2] if f.kind == "double" else [] if f.kind in ("partition", "die_vote") else [f.slot]
+        targets = [f.slot, f.slot2] if f.kind == "double" else [] if f.kind in ("partition", "die_vote", "store") \
+            else [f.slot]
         if any(self._pid(s) is None for s in targets if s is not None):
             return False
         inj.t_fault = now
@@ -224,6 +235,10 @@ class Trial:
                 inj.t_end = time.time()
             else:
                 self._at(now + (f.duration or 2 * hb), lambda: self._resume(inj, second))
+        elif f.kind == "store":
+            assert self.coord is not None
+            self.coord.kill()
+            self._at(now + (f.duration or 1.0), lambda: self._restart_store(inj))
         elif f.kind == "partition":
             self.net.cut(f.slot)
             inj.pids = [p for s, h in enumerate(self.host_of) if h == f.slot and (p := self._pid(s)) is not None]
@@ -236,6 +251,11 @@ class Trial:
 
     def _resume(self, inj: Injected, pid: int) -> None:
         self._cont(pid)
+        inj.t_end = time.time()
+
+    def _restart_store(self, inj: Injected) -> None:
+        assert self.coord is not None
+        self.coord.start()
         inj.t_end = time.time()
 
     def _heal(self, inj: Injected, host: int) -> None:
@@ -270,7 +290,8 @@ class Trial:
     def run(self) -> TrialResult:
         spec = self.spec
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.events_dir.mkdir(exist_ok=True)
+        shutil.rmtree(self.events_dir, ignore_errors=True)  # events of an earlier run here would mix in
+        self.events_dir.mkdir()
         (self.folder / "spec.json").write_text(json.dumps(spec.to_json(), indent=1))
         shm_before = checks.shm_entries()
         sockets_before = checks.own_listening_sockets()
@@ -343,6 +364,9 @@ class Trial:
                 self.pids.update(launcher.spare_pids())
                 self.pids.update(launcher.pids().values())
                 launcher.close()
+            if self.coord is not None:
+                self.coord.kill()
+                self.pids.update(self.coord.pids)
             self.net.close()
         duration = time.time() - self.t0
         events = checks.read_events(self.events_dir)
@@ -373,7 +397,8 @@ class Trial:
             violations.append(f"the coordinator's port {coordinator_port} is still listening")
         if checks.own_listening_sockets() > sockets_before:
             violations.append("the chaos runner holds more listening sockets than before the trial")
-        return TrialResult(spec, violations, injected, duration, rc, self.notes, str(self.folder))
+        return TrialResult(spec, checks.condense(violations), injected, duration, rc, self.notes, str(self.folder),
+                           checks.coverage(events))
 
     def _read_chain(self) -> Optional[dict[int, list[str]]]:
         """epoch -> member ids of every configuration, from the coordinator (before it closes)."""

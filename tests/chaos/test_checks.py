@@ -1,0 +1,127 @@
+"""The chaos checks and schedules without processes: synthetic events that break each invariant
+must be reported, good ones must not; schedules are deterministic and replay unchanged."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ftc10d.chaos import checks
+from ftc10d.chaos.runner import summarize
+from ftc10d.chaos.schedule import Fault, ScheduleError, TrialSpec, draw, hosts_of, load_replay, trial_seeds
+from ftc10d.chaos.trial import Injected, TrialResult
+
+
+def ev(pid: int, kind: str, t: float, **kw: Any) -> dict[str, Any]:
+    return {"pid": pid, "kind": kind, "t": t, **kw}
+
+
+def good_run(steps: int = 5) -> list[dict[str, Any]]:
+    out = []
+    for pid in (1, 2, 3):
+        out.append(ev(pid, "recovered", 0.0, step=0, fp="f0", member=f"m{pid}"))
+        for s in range(1, steps + 1):
+            out.append(ev(pid, "commit", s + pid / 100, step=s, fp=f"f{s}", member=f"m{pid}", epoch=1))
+        out.append(ev(pid, "final", 99.0, step=steps, hash="h"))
+    return out
+
+
+def test_a_clean_run_has_no_problems() -> None:
+    events = good_run()
+    assert checks.check_commits(events, 5) == []
+    assert checks.check_fencing(events, {1: ["m1", "m2", "m3"]}) == []
+
+
+def test_differing_replicas_and_double_or_lost_steps_are_reported() -> None:
+    events = good_run()
+    events[3]["fp"] = "other"  # pid 1's step 3
+    assert any("replicas differ after committed step 3" in p for p in checks.check_commits(events, 5))
+    twice = good_run() + [ev(2, "commit", 50.0, step=5, fp="f5", member="m2", epoch=1)]
+    assert any("applied twice" in p for p in checks.check_commits(twice, 5))
+    skipped = [e for e in good_run() if not (e["pid"] == 3 and e.get("step") == 2 and e["kind"] == "commit")]
+    assert any("skipped" in p for p in checks.check_commits(skipped, 5))
+    back = good_run() + [ev(1, "recovered", 60.0, step=2, fp="f2")]
+    assert any("was lost" in p for p in checks.check_commits(back, 5))
+    short = [e for e in good_run() if e.get("step") != 5 or e["kind"] == "recovered"]
+    assert any("never committed" in p for p in checks.check_commits(short, 5))
+
+
+def test_a_received_state_must_match_the_committed_one() -> None:
+    events = good_run() + [ev(4, "recovered", 3.5, step=3, fp="bad", member="m4")]
+    assert any("step 3" in p for p in checks.check_commits(events, 5))
+
+
+def test_fenced_identity_that_commits_or_returns_is_reported() -> None:
+    events = good_run()
+    events.insert(3, ev(1, "fenced", 2.5, member="m1"))
+    problems = checks.check_fencing(events, None)
+    assert any("after that member was fenced" in p for p in problems)
+    chain = {1: ["m1", "m2", "m3"], 2: ["m2", "m3"], 3: ["m1", "m2", "m3"]}
+    assert any("is back at epoch 3" in p for p in checks.check_fencing(good_run(), chain))
+    outsider = good_run() + [ev(9, "commit", 2.0, step=2, fp="f2", member="m9", epoch=1)]
+    assert any("not in the configuration" in p for p in checks.check_fencing(outsider, {1: ["m1", "m2", "m3"]}))
+
+
+def test_stall_is_the_longest_gap_without_a_commit_after_the_fault() -> None:
+    times = [(float(t), s) for s, t in enumerate([1, 2, 3, 3.2, 6.0, 6.1, 6.2], start=1)]
+    assert checks.stall_after(times, 3.1, 3.1) == pytest.approx(0.1)   # window ends at the first commit
+    assert checks.stall_after(times, 3.1, 3.5) == pytest.approx(2.8)   # 3.2 -> 6.0
+    assert checks.stall_after(times, 6.15, 6.15) == pytest.approx(0.05)
+    assert checks.stall_after(times, 7.0, 7.0) is None
+
+
+def test_condense_keeps_a_few_of_each() -> None:
+    out = checks.condense([f"replicas differ after committed step {i}" for i in range(10)] + ["other thing"])
+    assert len(out) == 5 and out[-1].startswith("... and 7 more")
+
+
+def test_schedules_are_deterministic_valid_and_replay_unchanged(tmp_path: Path) -> None:
+    seeds = trial_seeds(42, 20)
+    assert seeds == trial_seeds(42, 20) and len(set(seeds)) == 20
+    kinds = set()
+    for seed in seeds:
+        spec = draw(seed)
+        assert draw(seed) == spec
+        kinds |= {f.kind for f in spec.faults}
+        path = tmp_path / f"{seed}.json"
+        path.write_text(json.dumps({"spec": spec.to_json(), "violations": []}))
+        assert load_replay(str(path)) == spec
+    assert {"kill", "stop_short", "stop_long", "slow", "double"} <= kinds
+    assert "partition" not in kinds  # one host
+
+
+def test_bad_replay_files_and_faults_are_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    with pytest.raises(ScheduleError, match="cannot read"):
+        load_replay(str(bad))
+    for fault in ({"kind": "meteor", "slot": 0, "at_step": 10}, {"kind": "kill", "slot": 9, "at_step": 10},
+                  {"kind": "kill", "slot": 0, "at_step": 999}, {"kind": "stop_long", "slot": 0, "at_step": 10},
+                  {"kind": "partition", "slot": 1, "at_step": 10, "duration": 2.0}, {"kind": "kill", "x": 1}):
+        with pytest.raises(ScheduleError):
+            TrialSpec.from_json({"seed": 1, "faults": [fault]})
+
+
+def test_hosts_keep_a_majority_on_the_coordinators_side() -> None:
+    assert hosts_of(4, 1) == [0, 0, 0, 0]
+    assert hosts_of(4, 2) == [0, 0, 0, 1]
+    assert hosts_of(5, 3) == [0, 0, 0, 1, 2]
+    with pytest.raises(ScheduleError):
+        hosts_of(4, 3)
+
+
+def test_summary_counts_kinds_stalls_and_violations() -> None:
+    spec = TrialSpec(7, [Fault("kill", 1, 10), Fault("stop_short", 2, 30, 0.3)])
+    ok = TrialResult(spec, [], [Injected(spec.faults[0], t_fault=1.0, stall_s=0.4),
+                                Injected(spec.faults[1], skipped="ended")], 20.0, 0, folder="/x/trials/0-7")
+    bad = TrialResult(spec, ["replicas differ"], [Injected(spec.faults[0], t_fault=1.0, stall_s=0.9)], 30.0, 0,
+                      folder="/x/trials/1-7")
+    s = summarize([ok, bad], "ftc10d chaos")
+    assert s["trials"] == 2 and s["survived"] == 1
+    assert s["faults_by_kind"] == {"kill": 2} and s["faults_skipped_by_kind"] == {"stop_short": 1}
+    assert s["worst_stall_s_by_kind"] == {"kill": 0.9}
+    assert s["violations"] == [{"seed": 7, "schedule": spec.describe(), "violations": ["replicas differ"],
+                                "replay": "/x/trials/1-7.json"}]
