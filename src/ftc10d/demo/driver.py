@@ -183,7 +183,6 @@ def _resume(rec: dict[str, Any], fault_log: Any) -> None:
 def run_demo(cfg: DemoConfig, view: Any, *, quiet: bool = False) -> tuple[int, dict[str, Any]]:
     """Run the job; returns ``(exit code, report)``. ``view`` has ``start/update/stop/summary``."""
     from ftc10d.demo.report import build_report, write_report
-
     from ftc10d.launch import LaunchConfig, Launcher
 
     out = Path(cfg.out)
