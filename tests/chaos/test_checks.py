@@ -65,6 +65,23 @@ def test_fenced_identity_that_commits_or_returns_is_reported() -> None:
     assert any("not in the configuration" in p for p in checks.check_fencing(outsider, {1: ["m1", "m2", "m3"]}))
 
 
+def test_two_groups_training_apart_are_caught_even_when_they_compute_alike() -> None:
+    """What a coordinator restart produced: members 1, 2 go on in epoch 2 while 3, 4 (same ids,
+    never fenced) come back in epoch 7 and commit the same steps again, bitwise alike."""
+    events = []
+    for pid in (1, 2, 3, 4):
+        events.append(ev(pid, "reconfigured", 0.0, epoch=1, uuid=11, member=f"m{pid}"))
+        events += [ev(pid, "commit", s, step=s, fp=f"f{s}", member=f"m{pid}", uuid=11) for s in (1, 2, 3)]
+    for pid, ep, uuid, t in ((1, 2, 22, 4.0), (2, 2, 22, 4.0), (3, 7, 77, 20.0), (4, 7, 77, 20.0)):
+        events.append(ev(pid, "reconfigured", t, epoch=ep, uuid=uuid, member=f"m{pid}"))
+        events += [ev(pid, "commit", t + s, step=s, fp=f"f{s}", member=f"m{pid}", uuid=uuid) for s in (4, 5, 6)]
+    assert not [p for p in checks.check_commits(events, 6) if "differ" in p]  # every fingerprint agrees...
+    assert any("two lineages" in p for p in checks.check_lineage(events))  # ...but the steps went back
+    chain = {2: ["m1", "m2"], 3: ["m1", "m2"], 7: ["m3", "m4"]}  # epoch 1 was lost with the store
+    assert any("never fenced" in p for p in checks.check_fencing(events, chain))
+    assert checks.check_lineage([e for e in events if e["pid"] in (1, 2)]) == []
+
+
 def test_stall_is_the_longest_gap_without_a_commit_after_the_fault() -> None:
     times = [(float(t), s) for s, t in enumerate([1, 2, 3, 3.2, 6.0, 6.1, 6.2], start=1)]
     assert checks.stall_after(times, 3.1, 3.1) == pytest.approx(0.1)   # window ends at the first commit

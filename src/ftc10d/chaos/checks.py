@@ -13,8 +13,12 @@ applied twice; every step 1..N was committed by someone; every final hash is equ
 
 Invariant 3 (``check_fencing``): a member id that was fenced commits nothing after
 its ``fenced`` event; a member id is used by one process only; in the membership
-chain a member, once removed, is never in a later configuration; every commit's
-member was in the configuration of its epoch.
+chain a member, once removed, is never in a later configuration (also across a
+store restart, from the members' own events); every commit's member was in the
+configuration of its epoch.
+
+One lineage (``check_lineage``): steps committed in a later configuration never go
+below those of an earlier one, which catches two groups training apart.
 """
 
 from __future__ import annotations
@@ -109,6 +113,26 @@ def check_fencing(events: list[dict[str, Any]], chain: Optional[dict[int, list[s
                 if owner.setdefault(mid, pid) != pid:
                     problems.append(f"member id {mid} used by two processes: {owner[mid]} and {pid}")
     if chain:
+        # A member seen (by its own events) in epochs a and c must be in every known epoch between:
+        # out and back in under the same id means it was never fenced.
+        epoch_of = uuid_epochs(events)
+        mine: dict[str, set[int]] = defaultdict(set)
+        for e in events:
+            if e["kind"] == "reconfigured" and e.get("member"):
+                mine[e["member"]].add(int(e["epoch"]))
+            elif e["kind"] == "commit" and e.get("member") and e.get("uuid") is not None \
+                    and int(e["uuid"]) in epoch_of:
+                mine[e["member"]].add(epoch_of[int(e["uuid"])])
+        for mid, eps in mine.items():
+            lo, hi = min(eps), max(eps)
+            out = [b for b in sorted(chain) if lo < b < hi and mid not in chain[b]]
+            # Legitimate: after a store restart a member rejoins under its id and is admitted like
+            # a joiner; then it received the state after it was out.
+            readmitted = out and any(e["kind"] == "recovered" and e.get("member") == mid
+                                     and int(e.get("epoch_now", 0)) > out[0] for e in events)
+            if out and not readmitted:
+                problems.append(f"member {mid} was in epoch {lo}, not in epoch {out[0]}, and in epoch {hi} again, "
+                                "never fenced (invariant 3)")
         epochs = sorted(chain)
         seen: dict[str, int] = {}  # member -> last epoch it was in
         for ep in epochs:
@@ -118,9 +142,12 @@ def check_fencing(events: list[dict[str, Any]], chain: Optional[dict[int, list[s
                     problems.append(f"member {mid} was removed after epoch {last} and is back at epoch {ep}")
                 seen[mid] = ep
         for e in events:
-            if e["kind"] == "commit" and e.get("epoch") in chain and e.get("member") not in chain[e["epoch"]]:
+            if e["kind"] != "commit":
+                continue
+            ep = epoch_of.get(int(e["uuid"])) if e.get("uuid") is not None else e.get("epoch")
+            if ep in chain and e.get("member") not in chain[ep]:
                 problems.append(f"pid {e['pid']} committed step {e['step']} as member {e.get('member')}, which is "
-                                f"not in the configuration of epoch {e['epoch']}")
+                                f"not in the configuration of epoch {ep}")
     return problems
 
 
@@ -161,6 +188,35 @@ def coverage(events: list[dict[str, Any]]) -> dict[str, int]:
             elif k == "aborted":
                 out["aborted_steps"] += 1
     return out
+
+
+def uuid_epochs(events: list[dict[str, Any]]) -> dict[int, int]:
+    """Configuration uuid -> epoch, from the Manager's ``reconfigured`` events (exact: the
+    configuration the group was switched to)."""
+    return {int(e["uuid"]): int(e["epoch"]) for e in events if e["kind"] == "reconfigured" and e.get("uuid")}
+
+
+def check_lineage(events: list[dict[str, Any]]) -> list[str]:
+    """One lineage of committed steps (invariant 1 across configurations): the steps committed
+    in a configuration never go below a step already committed in an earlier configuration.
+    Two groups that each train on (a split brain) commit the same steps in different
+    configurations, and if they compute alike, every fingerprint still agrees: this is what
+    catches them. The configuration of a commit is its ``uuid`` (not the member's newest
+    epoch, which the watcher may have adopted before the group switched)."""
+    epoch_of = uuid_epochs(events)
+    by_epoch: dict[int, list[int]] = defaultdict(list)
+    for e in events:
+        if e["kind"] == "commit" and e.get("uuid") is not None and int(e["uuid"]) in epoch_of:
+            by_epoch[epoch_of[int(e["uuid"])]].append(int(e["step"]))
+    problems, top, top_epoch = [], 0, 0
+    for ep in sorted(by_epoch):
+        low = min(by_epoch[ep])
+        if low <= top:
+            problems.append(f"two lineages: epoch {ep} committed steps {low}-{max(by_epoch[ep])} after epoch "
+                            f"{top_epoch} had committed up to step {top} (a group trained on apart from the others)")
+        if max(by_epoch[ep]) > top:
+            top, top_epoch = max(by_epoch[ep]), ep
+    return problems
 
 
 def _ranges(xs: list[int]) -> str:
@@ -251,25 +307,9 @@ def leaked_shm(before: set[str], pids: set[int]) -> tuple[list[str], list[str]]:
     return ours, [n for n in new if n not in ours]
 
 
-def listening_ports() -> set[int]:
-    """TCP ports in LISTEN state in this network namespace (IPv4 and IPv6)."""
-    out = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f)
-                for line in f:
-                    parts = line.split()
-                    if len(parts) > 3 and parts[3] == "0A":
-                        out.add(int(parts[1].rpartition(":")[2], 16))
-        except (OSError, StopIteration):
-            continue
-    return out
-
-
-def own_listening_sockets() -> int:
-    """How many listening TCP sockets this process holds (the chaos runner outlives trials)."""
-    inodes = set()
+def _listening() -> list[tuple[int, str]]:
+    """(port, socket inode) of every TCP socket in LISTEN state in this network namespace."""
+    out = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
@@ -277,9 +317,20 @@ def own_listening_sockets() -> int:
                 for line in f:
                     parts = line.split()
                     if len(parts) > 9 and parts[3] == "0A":
-                        inodes.add(parts[9])
+                        out.append((int(parts[1].rpartition(":")[2], 16), parts[9]))
         except (OSError, StopIteration):
             continue
+    return out
+
+
+def listening_ports() -> set[int]:
+    """TCP ports in LISTEN state in this network namespace (IPv4 and IPv6)."""
+    return {port for port, _ in _listening()}
+
+
+def own_listening_sockets() -> int:
+    """How many listening TCP sockets this process holds (the chaos runner outlives trials)."""
+    inodes = {inode for _, inode in _listening()}
     count = 0
     for fd in os.listdir("/proc/self/fd"):
         try:

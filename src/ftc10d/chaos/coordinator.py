@@ -3,7 +3,7 @@
 Under ``ftc10d launch`` the coordinator lives inside the launcher; killing it there would
 kill the launcher too. For the ``store`` fault the trial runs ``ftc10d coordinator`` as a
 child (its own session), points every launcher at it (``LaunchConfig.coordinator``),
-SIGKILLs it and restarts it on the same port: the store's state is gone (it is in
+SIGKILLs it and restarts it on the same port (from a warm standby: no import delay): the store's state is gone (it is in
 memory), the members notice the new incarnation, rejoin and re-form with a fresh uuid.
 """
 
@@ -25,7 +25,12 @@ def free_port(host: str) -> int:
 
 
 class CoordinatorProcess:
-    """``ftc10d coordinator`` on ``host:port``; :meth:`kill` and :meth:`start` again."""
+    """The coordinator on ``host:port``: :meth:`start`, :meth:`kill`, :meth:`start` again.
+
+    Each start promotes a *standby*: a process that has already imported torch and ftc10d
+    (seconds on a busy machine) and waits for a line on stdin before it binds the port, so
+    that a restart takes milliseconds and the downtime is the one the schedule asked for.
+    """
 
     def __init__(self, host: str, heartbeat_timeout: float, env: dict[str, str]) -> None:
         self.host = host
@@ -33,37 +38,78 @@ class CoordinatorProcess:
         self.heartbeat_timeout = heartbeat_timeout
         self.env = env
         self.proc: Optional[subprocess.Popen] = None
+        self._standby: Optional[subprocess.Popen] = None
         self.pids: set[int] = set()
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self, timeout: float = 60.0) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ftc10d", "coordinator", "--host", self.host, "--port", str(self.port),
-             "--heartbeat-timeout", repr(self.heartbeat_timeout)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    def _spawn(self) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ftc10d.chaos.coordinator", self.host, str(self.port),
+             repr(self.heartbeat_timeout)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             env={**os.environ, **self.env}, start_new_session=True)
-        self.pids.add(self.proc.pid)
+        self.pids.add(proc.pid)
+        return proc
+
+    def start(self, timeout: float = 60.0) -> None:
+        proc = self._standby or self._spawn()
+        self._standby = None
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        self.proc = proc
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
                 socket.create_connection((self.host, self.port), timeout=0.2).close()
+                self._standby = self._spawn()  # warm for the next restart
                 return
             except OSError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"ftc10d coordinator exited at start (code {self.proc.returncode})")
-                time.sleep(0.05)
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the coordinator exited at start (code {proc.returncode})")
+                time.sleep(0.01)
         self.kill()
-        raise RuntimeError(f"ftc10d coordinator did not listen on {self.address} within {timeout:g} s")
+        raise RuntimeError(f"the coordinator did not listen on {self.address} within {timeout:g} s")
 
     def kill(self) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(30)
-        self.proc = None
+        """SIGKILL the running coordinator (its state is lost with it)."""
+        self.proc = _killpg(self.proc)
+
+    def close(self) -> None:
+        self.kill()
+        self._standby = _killpg(self._standby)
+
+
+def _killpg(proc: Optional[subprocess.Popen]) -> None:
+    if proc is None:
+        return None
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(30)
+    if proc.stdin is not None:
+        proc.stdin.close()
+    return None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m ftc10d.chaos.coordinator HOST PORT HEARTBEAT_TIMEOUT``: import everything,
+    wait for a line on stdin, then host the coordinator until killed."""
+    import threading
+
+    from ftc10d.membership import tcp
+
+    host, port, hb = (argv or sys.argv[1:])[:3]
+    if not sys.stdin.readline():
+        return 0  # the trial went away before needing this standby
+    tcp.Coordinator(host, int(port), detect=True, heartbeat_timeout=float(hb)).start()
+    threading.Event().wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

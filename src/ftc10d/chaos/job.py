@@ -6,12 +6,13 @@ to ``<out>/events/<slot>-<pid>.jsonl``, one ``write`` per line, so a SIGKILL los
 nothing already written and the files outlive the coordinator store:
 
 - ``start``; ``admitted`` (member id, epoch, rank, world size);
-- ``commit`` per committed step: step, state fingerprint, member id, epoch;
+- ``commit`` per committed step: step, state fingerprint, member id, epoch (the member's
+  newest, which may run ahead of the step's), uuid of the configuration the step ran in;
 - ``aborted`` per step not committed; the Manager's ``reconfigured`` /
   ``recovered`` (with the fingerprint of the received state) / ``sent_state`` /
   ``aborted_step`` / ``fenced`` (with the member id that was fenced);
-- ``final`` (state_hash) at the last step, ``left`` if it was fenced after the job
-  finished, ``exit``.
+- ``final`` (state_hash) at the last step, ``left`` if it was out of the job (fenced,
+  or left out of a re-formed configuration) when the others finished, ``exit``.
 
 Options come as JSON in ``$FTC10D_CHAOS_OPTS``: ``out``, ``trial``, ``steps``,
 ``interval``, ``world`` and ``rank_base`` (a trial with several hosts runs one
@@ -26,13 +27,14 @@ Kept free of ``tests/`` so that ``ftc10d chaos`` runs from an installed package.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 # Top-level imports: a warm spare imports these before it is needed.
 import torch
@@ -45,6 +47,8 @@ from ftc10d.train import ManagedOptimizer, Manager, init_from_env
 
 OPTS_ENV = "FTC10D_CHAOS_OPTS"
 IN, HIDDEN, OUT, GLOBAL_BATCH = 32, 64, 4, 64
+#: A worker short of the final step this long after the first one finished is out of the job.
+STRANDED_S = 10.0
 
 
 def batch_for(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,15 +99,17 @@ class Control:
         self._store: Any = None
 
     def call(self, fn: Callable[[dist.TCPStore], Any]) -> Any:
-        try:
-            if self._store is None:
-                host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
-                self._store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
-                                            timeout=timedelta(seconds=5))
-            return fn(self._store)
-        except Exception:
-            self._store = None
-            raise
+        for attempt in (0, 1):  # a connection from before a store restart fails once: reconnect
+            try:
+                if self._store is None:
+                    host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
+                    self._store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+                                                timeout=timedelta(seconds=5))
+                return fn(self._store)
+            except Exception:
+                self._store = None
+                if attempt:
+                    raise
 
 
 def _finished(control: Control, key: str) -> bool:
@@ -131,6 +137,9 @@ def _exit(log: EventLog, code: int = 0) -> None:
 
 def main() -> int:
     opts = json.loads(os.environ[OPTS_ENV])
+    # The library's own account of every reconfiguration, into the worker's log file: what a
+    # failed trial is diagnosed from.
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {os.getpid()} %(name)s %(levelname)s: %(message)s")
     torch.set_num_threads(1)
     slot = int(opts.get("rank_base", 0)) + int(os.environ.get("LOCAL_RANK", "0"))
     # The launcher of one host only knows its own workers; the job's size is the trial's.
@@ -152,29 +161,31 @@ def main() -> int:
     manager = Manager(pg, member, sync_timeout=120.0)
     log.emit("admitted", member=member.id, epoch=manager.epoch, rank=manager.rank, world_size=manager.world_size)
 
-    back = threading.Event()
-    back.set()
+    done = threading.Event()
 
     def watch_finish() -> None:
-        """Once fenced, this worker rejoins; if the others finish the job before it is back in a
-        configuration, there is nothing left to rejoin (no configuration will form again): leave."""
+        """A worker left out of the last configuration (fenced and rejoining, or re-forming
+        after a store restart) waits for a configuration that will never form once the
+        others finished and left. The others reach the final step within milliseconds of
+        each other, so a worker still short of it 10 s after the first finisher is stranded:
+        it leaves, which is what a job would do."""
         store = Control()  # a connection of its own: TCPStore clients are not thread-safe
-        while not back.is_set():
-            if _finished(store, finished):
-                log.emit("left", reason="fenced, and the job finished while it was out", step=manager.step)
+        first: Optional[float] = None
+        while not done.is_set():
+            if first is None and _finished(store, finished):
+                first = time.monotonic()
+            if first is not None and time.monotonic() - first > STRANDED_S and not done.is_set():
+                log.emit("left", reason="the job finished while this worker was out of it", step=manager.step)
                 _exit(log)
-            time.sleep(0.1)
+            time.sleep(0.2)
+
+    threading.Thread(target=watch_finish, name="chaos-finish-watch", daemon=True).start()
 
     def on_event(kind: str, info: dict[str, Any]) -> None:
         extra: dict[str, Any] = {"member": manager.member.id, "epoch_now": manager.epoch}
         if kind == "recovered":
             extra["fp"] = manager.fingerprint()
         log.emit(kind, **info, **extra)
-        if kind == "fenced" and back.is_set():
-            back.clear()
-            threading.Thread(target=watch_finish, name="chaos-finish-watch", daemon=True).start()
-        elif kind == "reconfigured":
-            back.set()
 
     manager.add_listener(on_event)
     ddp = manager.ddp(model)
@@ -192,11 +203,12 @@ def main() -> int:
         loss.backward()
         if opt.step():
             log.emit("commit", step=manager.step, fp=manager.fingerprint(), member=manager.member.id,
-                     epoch=manager.epoch, world_size=manager.world_size)
+                     epoch=manager.epoch, uuid=pg.uuid, world_size=manager.world_size)
         else:
             log.emit("aborted", step=manager.step, member=manager.member.id)
         if interval:
             time.sleep(interval)
+    done.set()
     log.emit("final", step=manager.step, hash=manager.state_hash(), member=manager.member.id)
     # Stay until every member of the last configuration finished, so that one leaving early
     # does not look like a failure to the others' last step.

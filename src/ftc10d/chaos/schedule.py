@@ -99,7 +99,7 @@ class TrialSpec:
     hosts: int = 1
     spares: int = 1
     interval: float = 0.03
-    timeout: float = 150.0
+    timeout: float = 120.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:

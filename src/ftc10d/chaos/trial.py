@@ -31,6 +31,7 @@ from ftc10d.chaos import checks
 from ftc10d.chaos.coordinator import CoordinatorProcess
 from ftc10d.chaos.netns import Hosts
 from ftc10d.chaos.schedule import Fault, TrialSpec, hosts_of
+from ftc10d.demo.driver import Tail  # new complete JSON lines of a folder's *.jsonl, as the demo tails them
 
 logger = logging.getLogger("ftc10d")
 
@@ -79,32 +80,6 @@ class TrialResult:
                 "faults": [i.to_json() for i in self.injected], "duration_s": round(self.duration_s, 3),
                 "returncode": self.returncode, "notes": self.notes, "folder": self.folder,
                 "coverage": self.coverage}
-
-
-class Tail:
-    """New complete lines of the ``*.jsonl`` files of a folder since the last poll."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self._pos: dict[Path, int] = {}
-
-    def poll(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for f in sorted(self.folder.glob("*.jsonl")):
-            try:
-                with open(f, "rb") as fh:
-                    fh.seek(self._pos.get(f, 0))
-                    data = fh.read()
-            except FileNotFoundError:
-                continue
-            end = data.rfind(b"\n") + 1  # a torn last line is read again next time
-            self._pos[f] = self._pos.get(f, 0) + end
-            for line in data[:end].splitlines():
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue
-        return out
 
 
 class Trial:
@@ -365,7 +340,7 @@ class Trial:
                 self.pids.update(launcher.pids().values())
                 launcher.close()
             if self.coord is not None:
-                self.coord.kill()
+                self.coord.close()
                 self.pids.update(self.coord.pids)
             self.net.close()
         duration = time.time() - self.t0
@@ -376,6 +351,7 @@ class Trial:
         violations += self._unexpected_exits(events)
         violations += checks.check_commits(events, spec.steps)
         violations += checks.check_fencing(events, chain)
+        violations += checks.check_lineage(events)
         for inj in pending:
             if inj.skipped is None:
                 inj.skipped = "never injected (the job ended or hung first)"

@@ -166,7 +166,11 @@ class GlooCommunicator:
         candidates = {f"{m.group(1)}:{port}", f"{m.group(1)}:{swapped}"}
         try:
             keys = [f"ep/{r}" for r in range(self.size) if r != self.rank]
-            values = self._store.multi_get(keys) if keys else []
+            # check first: multi_get waits for missing keys, and a restarted store has lost them
+            # (the abort would then block for the store's whole timeout)
+            if not keys or not self._store.check(keys):
+                return None
+            values = self._store.multi_get(keys)
         except Exception:  # the store may be gone too; naming the peer is best effort
             logger.debug("could not read peer endpoints", exc_info=True)
             return None
