@@ -37,6 +37,7 @@ __all__ = [
     "UuidReusedError",
     "ConfigurationMismatchError",
     "ReconfigureAbandonedError",
+    "ReconfigureConnectError",
     "ReconfigureTimeoutError",
     "InvalidOptionError",
     "CollectiveError",
@@ -276,6 +277,12 @@ class ConfigurationMismatchError(ReconfigureError):
 
 class ReconfigureTimeoutError(ReconfigureError, TimeoutError):
     """Not every member reached the rendezvous within the timeout."""
+
+
+class ReconfigureConnectError(ReconfigureError):
+    """Every member arrived at the rendezvous, but connecting the new communicator failed
+    (a member died or froze in between). Nothing usable was built; reconfigure again with
+    the members that are alive (a fresh uuid)."""
 
 
 class ReconfigureAbandonedError(ReconfigureError):

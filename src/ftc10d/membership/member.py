@@ -63,6 +63,7 @@ from ftc10d.types import (
     MembershipTimeoutError,
     PeerFailureError,
     ReconfigureAbandonedError,
+    ReconfigureConnectError,
     ReconfigureTimeoutError,
     StoreUnavailableError,
     UuidReusedError,
@@ -490,7 +491,7 @@ class Member:
                 logger.info("membership: %s gave up %s: %s", self.id, cfg, exc)
                 self._renew(cfg, f"the rendezvous of epoch {cfg.epoch} was given up")
                 self.wait_next(cfg.epoch, left())
-            except (ReconfigureTimeoutError, UuidReusedError) as exc:
+            except (ReconfigureTimeoutError, ReconfigureConnectError, UuidReusedError) as exc:
                 logger.warning("membership: %s could not connect %s (%s)", self.id, cfg, exc)
                 self._renew(cfg, f"the rendezvous of epoch {cfg.epoch} failed")
                 self.wait_next(cfg.epoch, left())

@@ -319,7 +319,9 @@ class Manager:
         if not self.rejoin_if_fenced:
             raise exc
         self.member = self.member.rejoin().attach(self.pg)
-        self._synced = False
+        # Its state stays a committed state of the job (every step it applied was voted by a
+        # whole configuration), so it keeps counting as a source: if every other holder of
+        # the state is gone, this one still carries the job on instead of a fresh replica.
         logger.warning("manager: fenced at epoch %s; rejoined as member %s", exc.epoch, self.member.id)
 
     def _recover(self) -> None:
