@@ -41,6 +41,7 @@ from ftc10d.types import (
     ReconfigureAbandonedError,
     ReconfigureConnectError,
     ReconfigureTimeoutError,
+    StateLostError,
     StoreUnavailableError,
     UuidReusedError,
     PutOptions,
@@ -110,6 +111,7 @@ __all__ = [
     "MembershipError",
     "Fenced",
     "MembershipTimeoutError",
+    "StateLostError",
     "StoreUnavailableError",
     "__version__",
 ]

@@ -61,6 +61,7 @@ __all__ = [
     "MembershipError",
     "Fenced",
     "MembershipTimeoutError",
+    "StateLostError",
     "StoreUnavailableError",
 ]
 
@@ -397,6 +398,12 @@ class MembershipTimeoutError(MembershipError, TimeoutError):
     def __init__(self, message: str, *, status: Any = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class StateLostError(MembershipError):
+    """Every member of the configuration is fresh, but the job has committed steps before:
+    the members that held its state are all gone. Training from scratch would silently
+    throw the job's progress away; restore from a checkpoint or restart the job."""
 
 
 class StoreUnavailableError(MembershipError, ConnectionError):

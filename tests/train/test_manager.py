@@ -139,6 +139,30 @@ def test_a_veto_on_one_rank_stops_the_step_on_every_rank(coordinator: Coordinato
     assert len({r["final"] for r in results.values()}) == 1
 
 
+def test_fresh_members_never_restart_a_job_that_lost_its_state_from_scratch(coordinator: Coordinator) -> None:
+    """Both holders of the state die (exits confirmed, as a launcher reports them); a late
+    worker is admitted alone. It must not train from step 0 as if the job were new:
+    StateLostError, and nothing committed."""
+    first = start(train_worker, 2, coordinator.address, {"steps": 1000, "interval": 0.01})
+    try:
+        wait_progress(first, 0, 5)
+        cfg = coordinator.agreement().latest()
+        assert cfg is not None and cfg.size == 2
+        for r in range(2):
+            first.signal(r, signal.SIGKILL)
+        for handle in cfg.handles:
+            coordinator.agreement().report_exit(handle)
+        late = start(train_worker, 1, coordinator.address, {"steps": 10, "sync_timeout": 3.0}, store=first.store)
+        try:
+            with pytest.raises(AssertionError, match="StateLostError: no member of epoch"):
+                late.collect(timeout=60)
+        finally:
+            late.close()
+    finally:
+        first.close()
+    assert not first.store.check([f"fp/1/{late.pid(0)}"]) and not first.store.check([f"fp/6/{late.pid(0)}"])
+
+
 def test_bad_manager_options_are_rejected() -> None:
     from ftc10d import InvalidOptionError
     from ftc10d.train import Manager

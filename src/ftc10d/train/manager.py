@@ -41,12 +41,22 @@ from ftc10d.membership import Member
 from ftc10d.train.ddp import DistributedDataParallel
 from ftc10d.train.recovery import make_plan, transfer
 from ftc10d.train.state import StateFormatError, fingerprint, state_hash
-from ftc10d.types import CollectiveError, ErrorType, Fenced, InvalidOptionError
+from ftc10d.types import (
+    CollectiveError,
+    ErrorType,
+    Fenced,
+    InvalidOptionError,
+    MembershipTimeoutError,
+    StateLostError,
+    StoreUnavailableError,
+)
 
 logger = logging.getLogger("ftc10d")
 
 Listener = Callable[[str, dict[str, Any]], None]
 _RESERVED = "ftc10d"
+#: The membership fact a Manager records at its first commit (see StateLostError).
+_FACT = "train"
 
 
 class Manager:
@@ -85,6 +95,8 @@ class Manager:
         #: (anyone failed, newest epoch) from this step's fused vote, once it completed.
         self._fused: Optional[tuple[bool, int]] = None
         self._vetoed: Optional[str] = None
+        self._committed_marked = False
+        self._committed_seen = False
         #: True while this rank's vote all-reduce is being issued (fault-injection tests use it).
         self.in_vote = False
 
@@ -291,6 +303,7 @@ class Manager:
                                "applied like on every other rank. Under vote='fused' call manager.veto() before "
                                "loss.backward(), or create the Manager with vote='separate'", self.step, self._vetoed)
             self.step += 1
+            self._mark_committed()
             return True
         cur = self.member._current
         vote = torch.tensor([failed, cur.epoch if cur is not None else 0], dtype=torch.int64)
@@ -307,6 +320,7 @@ class Manager:
             return self._abort_step(str(self._error) if self._error is not None
                                     else f"a participant voted against committing ({self._vetoed or 'not this one'})")
         self.step += 1
+        self._mark_committed()
         return True
 
     def _abort_step(self, why: str) -> bool:
@@ -336,6 +350,9 @@ class Manager:
                     self.member.wait_next(self._target_epoch - 1, timeout=left)
                 cfg = self.member.sync(self.pg, timeout=left)
                 plan = make_plan(self.pg, self.step, self._synced)
+                if not any(plan.synced) and self._job_committed():
+                    self._wait_for_state(cfg, deadline)
+                    continue
                 # A rank that was never synced (a joiner) may be overwritten while its state arrives.
                 state, nbytes, secs = transfer(self.pg, plan, self.state_dict,
                                                None if self._synced else self.state_dict)
@@ -360,6 +377,41 @@ class Manager:
             self._emit("reconfigured", epoch=cfg.epoch, uuid=cfg.uuid, rank=self.rank, world_size=self.world_size,
                        seconds=time.perf_counter() - t0)
             return
+
+    def _job_committed(self) -> bool:
+        """Whether any member of this job ever committed a step (recorded with the membership)."""
+        if not self._committed_seen:
+            try:
+                fact = self.member.fact(_FACT)
+            except StoreUnavailableError:
+                return False
+            self._committed_seen = bool(fact and fact.get("committed"))
+        return self._committed_seen
+
+    def _mark_committed(self) -> None:
+        """Record, once per process, that the job has committed state (see StateLostError)."""
+        if self._committed_marked:
+            return
+        try:
+            self.member.set_fact(_FACT, {"committed": True})
+            self._committed_marked = self._committed_seen = True
+        except StoreUnavailableError as exc:
+            logger.warning("manager: could not record the job's first commit (%s); will retry", exc)
+
+    def _wait_for_state(self, cfg: Any, deadline: float) -> None:
+        """Every member here is fresh, yet the job has committed steps: its state holders are
+        all gone. Starting over from step 0 would silently throw the job's progress away, so
+        wait for a configuration with a holder (a fenced member coming back) or give up."""
+        logger.error("manager: no member of epoch %d holds the job's committed state (all holders are gone); "
+                     "waiting for one to come back instead of training from scratch", cfg.epoch)
+        self._emit("state_lost", epoch=cfg.epoch)
+        try:
+            self.member.wait_next(cfg.epoch, timeout=max(deadline - time.monotonic(), 0.001))
+        except MembershipTimeoutError:
+            raise StateLostError(
+                f"no member of epoch {cfg.epoch} holds the job's committed state and none came back within "
+                f"{self.sync_timeout:g} s: every replica that held it is gone. Restore from a checkpoint or "
+                "restart the job") from None
 
     def close(self) -> None:
         """Leave the membership (the others need not wait for a heartbeat timeout)."""
