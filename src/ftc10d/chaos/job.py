@@ -144,6 +144,10 @@ def main() -> int:
     slot = int(opts.get("rank_base", 0)) + int(os.environ.get("LOCAL_RANK", "0"))
     # The launcher of one host only knows its own workers; the job's size is the trial's.
     os.environ["WORLD_SIZE"] = str(opts.get("world", os.environ.get("WORLD_SIZE", "1")))
+    # Likewise min_members: whoever forms the first configuration stores its own value in it,
+    # and a one-worker host's launcher can only say 1 (a minority could then form alone).
+    if "min_members" in opts:
+        os.environ["FTC10D_MIN_MEMBERS"] = str(opts["min_members"])
     os.environ["RANK"] = str(slot)
     restart = int(os.environ.get("FTC10D_RESTART_COUNT", "0"))
     log = EventLog(os.path.join(opts["out"], "events"), slot)

@@ -83,8 +83,10 @@ def run(*, trials: int, seed: int, out: str, replay: Optional[str] = None, hosts
         kinds = available_kinds(hosts, ok)
         specs = [draw(s, world_size=world_size, steps=steps, heartbeat_timeout=heartbeat_timeout, hosts=hosts,
                       kinds=kinds) for s in trial_seeds(seed, trials)]
-    print(f"ftc10d chaos: {len(specs)} trial(s), {world_size} workers + 1 warm spare, {steps} steps, heartbeat "
-          f"timeout {heartbeat_timeout:g} s, {hosts} host(s), out {out_dir}", flush=True)
+    first = specs[0]
+    print(f"ftc10d chaos: {len(specs)} trial(s), {first.world_size} workers + {first.spares} warm spare(s), "
+          f"{first.steps} steps, heartbeat timeout {first.heartbeat_timeout:g} s, {first.hosts} host(s), out {out_dir}",
+          flush=True)
     results: list[TrialResult] = []
     t0 = time.time()
     for k, spec in enumerate(specs):

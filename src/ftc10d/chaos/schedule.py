@@ -153,7 +153,7 @@ def hosts_of(world_size: int, hosts: int) -> list[int]:
     so that cutting any one host off leaves a strict majority on host 0's side."""
     if hosts < 1 or world_size - (hosts - 1) <= world_size // 2:
         raise ScheduleError(f"--hosts {hosts} with {world_size} workers: a cut-off host must be a minority; "
-                            f"use at most {(world_size + 1) // 2 - 1 + 1} hosts")
+                            f"use at most {(world_size + 1) // 2} hosts")
     return [0] * (world_size - (hosts - 1)) + list(range(1, hosts))
 
 

@@ -41,6 +41,8 @@ TICK_S = 0.01
 SLOW_PERIOD_S, SLOW_STOPPED = 0.1, 0.5
 #: A fault whose slot has no live worker (being replaced) waits this long, then is skipped.
 RETARGET_S = 15.0
+#: Never a configuration of fewer (a lone worker cut off, or left behind, must not train on alone).
+MIN_MEMBERS = 2
 
 
 @dataclass
@@ -131,7 +133,8 @@ class Trial:
         for host in range(self.spec.hosts):
             slots = [s for s, h in enumerate(self.host_of) if h == host]
             opts = {"out": str(self.folder), "trial": self.trial_id, "steps": self.spec.steps,
-                    "interval": self.spec.interval, "world": self.spec.world_size, "rank_base": slots[0], "die": die}
+                    "interval": self.spec.interval, "world": self.spec.world_size, "rank_base": slots[0], "die": die,
+                    "min_members": MIN_MEMBERS}
             env = {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "FTC10D_CHAOS_OPTS": json.dumps(opts),
                    "FTC10D_FLIGHT_RECORDER": "0"}
             if self.spec.hosts > 1:
@@ -139,7 +142,7 @@ class Trial:
             cfg = LaunchConfig(
                 script=JOB, nproc_per_node=len(slots), spares=self.spec.spares if host == 0 else 0,
                 max_restarts=10, coordinator=address, host=self.net.ip_of(0) if self.spec.hosts > 1 else "127.0.0.1",
-                heartbeat_timeout=self.spec.heartbeat_timeout, min_members=min(2, len(slots)), env=env,
+                heartbeat_timeout=self.spec.heartbeat_timeout, min_members=min(MIN_MEMBERS, len(slots)), env=env,
                 log_dir=str(self.folder / "logs" / f"host{host}"), python=self.net.python_for(host, self.folder),
             )
             launcher = Launcher(cfg, on_event=self._on_launch_event)
@@ -369,7 +372,7 @@ class Trial:
             violations.append(f"leaked /dev/shm entries: {leaked}")
         if other:
             self.notes.append(f"new /dev/shm entries not attributable to the trial: {other[:5]}")
-        if coordinator_port is not None and self.spec.hosts == 1 and coordinator_port in checks.listening_ports():
+        if coordinator_port is not None and coordinator_port in checks.listening_ports():
             violations.append(f"the coordinator's port {coordinator_port} is still listening")
         if checks.own_listening_sockets() > sockets_before:
             violations.append("the chaos runner holds more listening sockets than before the trial")
