@@ -96,7 +96,6 @@ class Manager:
         self._fused: Optional[tuple[bool, int]] = None
         self._vetoed: Optional[str] = None
         self._committed_marked = False
-        self._committed_seen = False
         #: True while this rank's vote all-reduce is being issued (fault-injection tests use it).
         self.in_vote = False
 
@@ -350,8 +349,10 @@ class Manager:
                     self.member.wait_next(self._target_epoch - 1, timeout=left)
                 cfg = self.member.sync(self.pg, timeout=left)
                 plan = make_plan(self.pg, self.step, self._synced)
-                if not any(plan.synced) and self._job_committed():
-                    self._wait_for_state(cfg, deadline)
+                held = max((st for st, ok in zip(plan.steps, plan.synced) if ok), default=-1)
+                job_step = self._job_step()
+                if held < job_step:
+                    self._wait_for_state(cfg, held, job_step, deadline)
                     continue
                 # A rank that was never synced (a joiner) may be overwritten while its state arrives.
                 state, nbytes, secs = transfer(self.pg, plan, self.state_dict,
@@ -378,43 +379,52 @@ class Manager:
                        seconds=time.perf_counter() - t0)
             return
 
-    def _job_committed(self) -> bool:
-        """Whether any member of this job ever committed a step (recorded with the membership)."""
-        if not self._committed_seen:
-            try:
-                fact = self.member.fact(_FACT)
-            except StoreUnavailableError:
-                return False
-            self._committed_seen = bool(fact and fact.get("committed"))
-        return self._committed_seen
+    def _job_step(self) -> int:
+        """The most advanced committed step the job is known to have reached (recorded with
+        the membership at a process's first commit and when it closes), or -1 if none.
+        Read at every recovery (one store read): others may have finished meanwhile."""
+        try:
+            fact = self.member.fact(_FACT) or {}
+        except StoreUnavailableError:
+            return -1
+        return int(fact.get("step", 1 if fact.get("committed") else -1))
 
-    def _mark_committed(self) -> None:
-        """Record, once per process, that the job has committed state (see StateLostError)."""
-        if self._committed_marked:
+    def _mark_committed(self, final: bool = False) -> None:
+        """Record the job's progress (see StateLostError): once per process at its first
+        commit, and its last step when it closes (only ever raised)."""
+        if self._committed_marked and not final:
             return
         try:
-            self.member.set_fact(_FACT, {"committed": True})
-            self._committed_marked = self._committed_seen = True
+            fact = self.member.fact(_FACT) or {}
+            if int(fact.get("step", -1)) < self.step:
+                self.member.set_fact(_FACT, {"committed": True, "step": self.step})
+            self._committed_marked = True
         except StoreUnavailableError as exc:
-            logger.warning("manager: could not record the job's first commit (%s); will retry", exc)
+            logger.warning("manager: could not record the job's progress (%s); will retry", exc)
 
-    def _wait_for_state(self, cfg: Any, deadline: float) -> None:
-        """Every member here is fresh, yet the job has committed steps: its state holders are
-        all gone. Starting over from step 0 would silently throw the job's progress away, so
-        wait for a configuration with a holder (a fenced member coming back) or give up."""
-        logger.error("manager: no member of epoch %d holds the job's committed state (all holders are gone); "
-                     "waiting for one to come back instead of training from scratch", cfg.epoch)
-        self._emit("state_lost", epoch=cfg.epoch)
+    def _wait_for_state(self, cfg: Any, held: int, job_step: int, deadline: float) -> None:
+        """No member here holds the job's most advanced committed state (all fresh, or all
+        behind a step the job reached: e.g. a fenced member rejoining alone after the others
+        finished). Going on would silently start a second history of the job (from scratch,
+        or from a stale step), so wait for a configuration with a holder, or give up."""
+        logger.error("manager: no member of epoch %d holds the job's committed state (the job reached step %d, "
+                     "the members here hold %s); waiting for a holder instead of training from there",
+                     cfg.epoch, job_step, "nothing" if held < 0 else f"step {held}")
+        self._emit("state_lost", epoch=cfg.epoch, job_step=job_step, held=held)
         try:
             self.member.wait_next(cfg.epoch, timeout=max(deadline - time.monotonic(), 0.001))
         except MembershipTimeoutError:
             raise StateLostError(
-                f"no member of epoch {cfg.epoch} holds the job's committed state and none came back within "
+                f"no member of epoch {cfg.epoch} holds the job's committed state (step {job_step}; the members "
+                f"hold {'nothing' if held < 0 else f'step {held}'}) and none came back within "
                 f"{self.sync_timeout:g} s: every replica that held it is gone. Restore from a checkpoint or "
                 "restart the job") from None
 
     def close(self) -> None:
-        """Leave the membership (the others need not wait for a heartbeat timeout)."""
+        """Record the step reached, and leave the membership (the others need not wait for a
+        heartbeat timeout)."""
+        if self._synced and self.step > 0:
+            self._mark_committed(final=True)
         self.member.close(leave=True)
 
 
