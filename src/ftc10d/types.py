@@ -37,6 +37,7 @@ __all__ = [
     "UuidReusedError",
     "ConfigurationMismatchError",
     "ReconfigureAbandonedError",
+    "ReconfigureConnectError",
     "ReconfigureTimeoutError",
     "InvalidOptionError",
     "CollectiveError",
@@ -60,6 +61,7 @@ __all__ = [
     "MembershipError",
     "Fenced",
     "MembershipTimeoutError",
+    "StateLostError",
     "StoreUnavailableError",
 ]
 
@@ -278,6 +280,12 @@ class ReconfigureTimeoutError(ReconfigureError, TimeoutError):
     """Not every member reached the rendezvous within the timeout."""
 
 
+class ReconfigureConnectError(ReconfigureError):
+    """Every member arrived at the rendezvous, but connecting the new communicator failed
+    (a member died or froze in between). Nothing usable was built; reconfigure again with
+    the members that are alive (a fresh uuid)."""
+
+
 class ReconfigureAbandonedError(ReconfigureError):
     """The rendezvous was given up before every member arrived: this group was
     aborted while it waited (its membership moved on to a newer configuration),
@@ -390,6 +398,12 @@ class MembershipTimeoutError(MembershipError, TimeoutError):
     def __init__(self, message: str, *, status: Any = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class StateLostError(MembershipError):
+    """Every member of the configuration is fresh, but the job has committed steps before:
+    the members that held its state are all gone. Training from scratch would silently
+    throw the job's progress away; restore from a checkpoint or restart the job."""
 
 
 class StoreUnavailableError(MembershipError, ConnectionError):

@@ -24,12 +24,13 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "record_env.py")
     ({"max_restarts": -2}, "--max-restarts must be 0 or more"),
     ({"nnodes": 2, "node_rank": 2}, "--node-rank must be in [0, 2)"),
     ({"nnodes": 2, "node_rank": 1}, "give --coordinator HOST:PORT"),
+    ({"nnodes": 2}, "give --host 0.0.0.0"),
     ({"coordinator": "nohost"}, "is not HOST:PORT"),
     ({"coordinator": "h:99999"}, "is not HOST:PORT"),
     ({"coordinator": "h:29400", "port": 5}, "--port only applies to the embedded coordinator"),
     ({"port": 70000}, "--port must be in [0, 65535]"),
     ({"heartbeat_timeout": 0.0}, "--heartbeat-timeout must be positive"),
-    ({"min_members": 3, "nproc_per_node": 2}, "--min-members must be in [1, 2]"),
+    ({"min_members": 0}, "--min-members must be at least 1"),
     ({"token": ""}, "token is empty"),
     ({"env": {"A=B": "x"}}, "is not NAME=string"),
 ])
@@ -95,11 +96,8 @@ def test_scan_finds_top_level_imports_only_and_never_runs_the_script(tmp_path: P
     assert scan_imports(str(tmp_path / "missing.py")) == []
 
 
-def test_cli_rejects_bad_options_with_a_hint(tmp_path: Path) -> None:
+def test_cli_rejects_bad_options_with_a_hint() -> None:
     out = subprocess.run([sys.executable, "-m", "ftc10d", "launch", "--nproc-per-node", "0", SCRIPT],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "--nproc-per-node must be at least 1" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "ftc10d", "launch", str(tmp_path / "nope.py")],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "does not exist" in out.stderr

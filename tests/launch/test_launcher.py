@@ -3,6 +3,7 @@ and the report of an exit to the membership."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,9 +11,14 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+from torch.distributed import TCPStore
+
 from ftc10d.launch import LaunchConfig, LaunchEvent, Launcher
-from ftc10d.membership import Agreement, TCPMembershipStore
+from ftc10d.membership import Agreement, Coordinator, TCPMembershipStore
+from ftc10d.membership.agreement import cfg_key
 from ftc10d.membership.records import Signer
+from ftc10d.membership.tcp import DEFAULT_PREFIX
 from ftc10d.train.bootstrap import handle_key
 from tests.launch.conftest import SCRIPTS, alive, child_env, records, wait_for
 
@@ -130,27 +136,36 @@ def test_sigkill_of_the_launcher_takes_its_children_along(tmp_path: Path) -> Non
             proc.kill()
 
 
-def test_the_exit_is_reported_to_the_membership(tmp_path: Path) -> None:
+@pytest.mark.parametrize("external", [False, True], ids=["embedded", "external-signed"])
+def test_the_exit_is_reported_to_the_membership(tmp_path: Path, external: bool) -> None:
     """Two idle members and a heartbeat timeout far away: neither a failed collective nor
     the detector (a suspicion needs a majority: 1 of 2 is not) can remove the dead one;
-    only the launcher's confirmed report can."""
+    only the launcher's confirmed report can. ``external``: the coordinator is not the
+    launcher's (``--coordinator``) and the job has a token, so the report is a signed record."""
+    token = "s3cret" if external else None
+    coordinator = Coordinator(token=token, detect=False).start() if external else None
     cfg = LaunchConfig(script=str(SCRIPTS / "member_idle.py"), nproc_per_node=2, max_restarts=0,
-                       heartbeat_timeout=30.0, env={"PYTHONPATH": child_env()["PYTHONPATH"]})
-    with Launcher(cfg) as launcher:
-        host, _, port = launcher.coordinator_address.rpartition(":")
-        agreement = Agreement(TCPMembershipStore(host, int(port)), Signer(None))
-        first = wait_for(lambda: (c := agreement.latest()) is not None and c.size == 2 and c, 60,
-                         "the first configuration of 2")
-        victim = launcher.pids()[1]
-        from torch.distributed import TCPStore
-
-        store = TCPStore(host, int(port), is_master=False)
-        handle = store.get(handle_key(launcher.launch_id, victim)).decode()
-        assert handle in first.handles
-        launcher.kill(1)
-        after = wait_for(lambda: (c := agreement.latest()) is not None and c.epoch > first.epoch and c, 20,
-                         "a configuration without the dead worker")
-        assert handle not in after.handles and after.size == 1
-        reported = wait_for(lambda: [e for e in launcher.events if e.kind == "reported"], 10, "the reported event")
-        assert reported[0].pid == victim and reported[0].detail["epoch"] == after.epoch
-        assert "gave_up" in kinds(launcher.events)
+                       heartbeat_timeout=30.0, env={"PYTHONPATH": child_env()["PYTHONPATH"]}, token=token,
+                       coordinator=coordinator.address if coordinator is not None else None)
+    try:
+        with Launcher(cfg) as launcher:
+            host, _, port = launcher.coordinator_address.rpartition(":")
+            agreement = Agreement(TCPMembershipStore(host, int(port)), Signer(token))
+            first = wait_for(lambda: (c := agreement.latest()) is not None and c.size == 2 and c, 60,
+                             "the first configuration of 2")
+            victim = launcher.pids()[1]
+            store = TCPStore(host, int(port), is_master=False)
+            handle = store.get(handle_key(launcher.launch_id, victim)).decode()
+            assert handle in first.handles
+            launcher.kill(1)
+            after = wait_for(lambda: (c := agreement.latest()) is not None and c.epoch > first.epoch and c, 20,
+                             "a configuration without the dead worker")
+            assert handle not in after.handles and after.size == 1
+            reported = wait_for(lambda: [e for e in launcher.events if e.kind == "reported"], 10, "the reported event")
+            assert reported[0].pid == victim and reported[0].detail["epoch"] == after.epoch
+            assert "gave_up" in kinds(launcher.events)
+            raw = json.loads(store.get(DEFAULT_PREFIX + cfg_key(after.epoch)))
+            assert ("s" in raw) == external, "the launcher's record is signed with the job token"
+    finally:
+        if coordinator is not None:
+            coordinator.close()

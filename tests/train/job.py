@@ -53,7 +53,7 @@ def train_loop(pg: Any, member: Any, opts: dict[str, Any], publish: Callable[[st
     torch.manual_seed(rank + 1000 * int(os.environ.get("FTC10D_RESTART_COUNT", "0")))  # different weights
     model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    manager = Manager(pg, member, vote=opts.get("vote", "fused"))
+    manager = Manager(pg, member, vote=opts.get("vote", "fused"), sync_timeout=opts.get("sync_timeout", 300.0))
     events: list[list[Any]] = []
     manager.add_listener(lambda kind, info: events.append([time.time(), kind, info]))
     ddp = manager.ddp(model)

@@ -24,15 +24,6 @@ from ftc10d.demo.faults import Fault
 WORKER = str(Path(__file__).with_name("worker.py"))
 
 
-def launcher_api() -> tuple[Any, Any]:
-    """``(Launcher, LaunchConfig)`` of :mod:`ftc10d.launch`, or the demo's private stand-in."""
-    try:
-        from ftc10d.launch import LaunchConfig, Launcher
-    except ImportError:
-        from ftc10d.demo._spawner import LaunchConfig, Launcher
-    return Launcher, LaunchConfig
-
-
 @dataclass
 class DemoConfig:
     out: Path
@@ -192,8 +183,8 @@ def _resume(rec: dict[str, Any], fault_log: Any) -> None:
 def run_demo(cfg: DemoConfig, view: Any, *, quiet: bool = False) -> tuple[int, dict[str, Any]]:
     """Run the job; returns ``(exit code, report)``. ``view`` has ``start/update/stop/summary``."""
     from ftc10d.demo.report import build_report, write_report
+    from ftc10d.launch import LaunchConfig, Launcher
 
-    Launcher, LaunchConfig = launcher_api()
     out = Path(cfg.out)
     for stale in ("events", "logs"):
         shutil.rmtree(out / stale, ignore_errors=True)

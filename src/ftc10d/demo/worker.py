@@ -99,16 +99,17 @@ def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) ->
     pg, member = init_from_env()
     manager = Manager(pg, member)
     log.emit("admitted", rank=manager.rank, world_size=manager.world_size, epoch=manager.epoch)
-    fenced = []
+    # A replacement, or a worker fenced while frozen, is (re)joining until its first commit.
+    joining = [bool(restart)]
     manager.add_listener(lambda kind, info: log.emit(kind, **info))
-    manager.add_listener(lambda kind, info: fenced.append(1) if kind == "fenced" else None)
+    manager.add_listener(lambda kind, info: joining.__setitem__(0, True) if kind == "fenced" else None)
     ddp = manager.ddp(model)
     opt = ManagedOptimizer(manager, optim)
     host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
     control = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=30))
     finished = f"ftc10d/demo/{os.environ.get('FTC10D_LAUNCH_ID', 'x')}/finished"
     while manager.step < args.steps:
-        if (fenced or restart) and control.check([finished]):
+        if joining[0] and control.check([finished]):
             # A replacement or a rejoining worker that arrives after the others finished would
             # otherwise train the whole job again, alone: there is nothing left to join.
             log.emit("left", step=manager.step, reason="the job finished before this worker (re)joined")
@@ -121,6 +122,7 @@ def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) ->
         loss.backward()
         ok = opt.step()
         t2 = time.time()
+        joining[0] = joining[0] and not ok
         log.emit("step", step=manager.step, ok=ok, loss=float(loss.detach()), t0=t0, t_start=t1 - t0, dt=t2 - t0,
                  epoch=manager.epoch, rank=manager.rank, world_size=manager.world_size)
         if ok and (manager.step % args.fp_every == 0 or manager.step == args.steps):

@@ -8,6 +8,7 @@ process is spawned or a port is bound. Every error is an
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from typing import Optional
 
 from ftc10d.membership.records import TOKEN_ENV
 from ftc10d.types import InvalidOptionError
+
+logger = logging.getLogger("ftc10d")
 
 
 def parse_address(address: str, what: str = "--coordinator") -> tuple[str, int]:
@@ -83,6 +86,9 @@ class LaunchConfig:
         if self.nnodes > 1 and self.coordinator is None and self.node_rank != 0:
             raise InvalidOptionError("on a node other than node 0, give --coordinator HOST:PORT (node 0's launcher "
                                      "or an `ftc10d coordinator`), so that every node joins the same membership")
+        if self.nnodes > 1 and self.coordinator is None and self.host in ("127.0.0.1", "localhost", "::1"):
+            raise InvalidOptionError("with --nnodes > 1, node 0's embedded coordinator must be reachable from the "
+                                     "other nodes: give --host 0.0.0.0 (or this node's address) and a fixed --port")
         if not 0 <= self.port <= 65535:
             raise InvalidOptionError(f"--port must be in [0, 65535] (got {self.port}); 0 picks a free port")
         if self.coordinator is not None:
@@ -94,9 +100,12 @@ class LaunchConfig:
             raise InvalidOptionError("--host must be an address to bind, e.g. 127.0.0.1 or 0.0.0.0")
         if not self.heartbeat_timeout > 0:
             raise InvalidOptionError(f"--heartbeat-timeout must be positive seconds (got {self.heartbeat_timeout})")
-        if self.min_members is not None and not 1 <= self.min_members <= self.world_size:
-            raise InvalidOptionError(f"--min-members must be in [1, {self.world_size}] (the job's slots), "
-                                     f"got {self.min_members}")
+        if self.min_members is not None and self.min_members < 1:
+            raise InvalidOptionError(f"--min-members must be at least 1 (got {self.min_members})")
+        if self.min_members is not None and self.min_members > self.world_size:
+            # Not an error: other launchers (e.g. one per host against one coordinator) may bring the rest.
+            logger.warning("launch: --min-members %d is more than this launcher's %d slot(s): the job forms only "
+                           "once other launchers' workers joined", self.min_members, self.world_size)
         if self.token is not None and not self.token:
             raise InvalidOptionError("the job token is empty; unset it or give a non-empty one")
         for key, value in self.env.items():

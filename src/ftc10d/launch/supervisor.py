@@ -562,7 +562,9 @@ class Launcher:
                          slot.index, proc.pid, _signal_name(rc) or f"exit code {rc}", self.config.max_restarts)
             self._emit("gave_up", slot.index, proc.pid, restarts=slot.restarts)
             alive = sum(s.state != "gave_up" for s in self._slots)
-            if alive < self.config.effective_min_members and any(s.state == "running" for s in self._slots):
+            whole_job = self.config.nnodes == 1 and self.config.coordinator is None  # else others may hold members
+            if whole_job and alive < self.config.effective_min_members and any(s.state == "running"
+                                                                                for s in self._slots):
                 logger.error("launcher: only %d slot(s) left, below min_members=%d: stopping the job", alive,
                              self.config.effective_min_members)
                 self._shutdown(signal.SIGTERM)

@@ -557,7 +557,9 @@ class Agreement:
             removals: dict[str, str] = {}
             for src in (pend, remove):
                 for mid, why in src.items():
-                    if mid in cur.members and mid != self.self_id and removals.get(mid) not in CONFIRMED:
+                    # a member may not suspect itself, but it may announce its own leave
+                    if mid in cur.members and (mid != self.self_id or why == "left") \
+                            and removals.get(mid) not in CONFIRMED:
                         removals[mid] = why
             if self.self_id is not None and not cur.includes(self.self_id):
                 # Not a member of the latest configuration: only confirmed facts and joins may be proposed.

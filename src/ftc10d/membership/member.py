@@ -63,6 +63,7 @@ from ftc10d.types import (
     MembershipTimeoutError,
     PeerFailureError,
     ReconfigureAbandonedError,
+    ReconfigureConnectError,
     ReconfigureTimeoutError,
     StoreUnavailableError,
     UuidReusedError,
@@ -248,6 +249,21 @@ class Member:
                 self._cv.wait(0.5 if left is None else min(left, 0.5))
         self.check()
         return cur
+
+    def set_fact(self, name: str, body: dict[str, Any]) -> None:
+        """Record a fact about the whole job next to the membership records (signed like
+        them), where every later member can read it: e.g. the training Manager records that
+        the job has committed a step, so that members that all start fresh can tell a new
+        job from one whose state they would silently throw away."""
+        key = f"fact/{name}"
+        with self._api_lock:
+            self._store.put(key, self._signer.encode(key, body))
+
+    def fact(self, name: str) -> Optional[dict[str, Any]]:
+        """A fact recorded by :meth:`set_fact` (any member's), or None."""
+        key = f"fact/{name}"
+        with self._api_lock:
+            return self._signer.decode(key, self._store.get(key))
 
     def status(self, refresh: bool = False) -> Status:
         """Where this member stands (see :class:`Status`); ``refresh`` reads the store's
@@ -490,7 +506,7 @@ class Member:
                 logger.info("membership: %s gave up %s: %s", self.id, cfg, exc)
                 self._renew(cfg, f"the rendezvous of epoch {cfg.epoch} was given up")
                 self.wait_next(cfg.epoch, left())
-            except (ReconfigureTimeoutError, UuidReusedError) as exc:
+            except (ReconfigureTimeoutError, ReconfigureConnectError, UuidReusedError) as exc:
                 logger.warning("membership: %s could not connect %s (%s)", self.id, cfg, exc)
                 self._renew(cfg, f"the rendezvous of epoch {cfg.epoch} failed")
                 self.wait_next(cfg.epoch, left())

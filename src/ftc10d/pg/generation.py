@@ -42,6 +42,7 @@ from ftc10d.types import (
     PeerFailureError,
     ProcessGroupAborted,
     ReconfigureAbandonedError,
+    ReconfigureConnectError,
     ReconfigureTimeoutError,
     UuidReusedError,
 )
@@ -451,7 +452,14 @@ def rendezvous(
         # From here on the uuid counts as used, whatever happens.
         store.set(f"{prefix}/sig", f"used:{sig}")
     gen_store = dist.PrefixStore(f"{prefix}/gloo", store)
-    comm = GlooCommunicator(gen_store, plan.rank, plan.size, plan.timeout)
+    try:
+        comm = GlooCommunicator(gen_store, plan.rank, plan.size, plan.timeout)
+    except RuntimeError as exc:  # Gloo's connectFullMesh: a member died or froze after it arrived
+        raise ReconfigureConnectError(
+            f"reconfigure to uuid {plan.uuid}: all {plan.size} members arrived but connecting them failed "
+            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}). Reconfigure again with the members "
+            "that are alive and a fresh uuid"
+        ) from exc
     if op_timeout != plan.timeout:
         comm.backend.set_timeout(op_timeout)
     return Generation(

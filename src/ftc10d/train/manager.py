@@ -41,12 +41,22 @@ from ftc10d.membership import Member
 from ftc10d.train.ddp import DistributedDataParallel
 from ftc10d.train.recovery import make_plan, transfer
 from ftc10d.train.state import StateFormatError, fingerprint, state_hash
-from ftc10d.types import CollectiveError, ErrorType, Fenced, InvalidOptionError
+from ftc10d.types import (
+    CollectiveError,
+    ErrorType,
+    Fenced,
+    InvalidOptionError,
+    MembershipTimeoutError,
+    StateLostError,
+    StoreUnavailableError,
+)
 
 logger = logging.getLogger("ftc10d")
 
 Listener = Callable[[str, dict[str, Any]], None]
 _RESERVED = "ftc10d"
+#: The membership fact a Manager records at its first commit (see StateLostError).
+_FACT = "train"
 
 
 class Manager:
@@ -85,6 +95,7 @@ class Manager:
         #: (anyone failed, newest epoch) from this step's fused vote, once it completed.
         self._fused: Optional[tuple[bool, int]] = None
         self._vetoed: Optional[str] = None
+        self._committed_marked = False
         #: True while this rank's vote all-reduce is being issued (fault-injection tests use it).
         self.in_vote = False
 
@@ -291,6 +302,7 @@ class Manager:
                                "applied like on every other rank. Under vote='fused' call manager.veto() before "
                                "loss.backward(), or create the Manager with vote='separate'", self.step, self._vetoed)
             self.step += 1
+            self._mark_committed()
             return True
         cur = self.member._current
         vote = torch.tensor([failed, cur.epoch if cur is not None else 0], dtype=torch.int64)
@@ -307,6 +319,7 @@ class Manager:
             return self._abort_step(str(self._error) if self._error is not None
                                     else f"a participant voted against committing ({self._vetoed or 'not this one'})")
         self.step += 1
+        self._mark_committed()
         return True
 
     def _abort_step(self, why: str) -> bool:
@@ -319,7 +332,9 @@ class Manager:
         if not self.rejoin_if_fenced:
             raise exc
         self.member = self.member.rejoin().attach(self.pg)
-        self._synced = False
+        # Its state stays a committed state of the job (every step it applied was voted by a
+        # whole configuration), so it keeps counting as a source: if every other holder of
+        # the state is gone, this one still carries the job on instead of a fresh replica.
         logger.warning("manager: fenced at epoch %s; rejoined as member %s", exc.epoch, self.member.id)
 
     def _recover(self) -> None:
@@ -334,6 +349,11 @@ class Manager:
                     self.member.wait_next(self._target_epoch - 1, timeout=left)
                 cfg = self.member.sync(self.pg, timeout=left)
                 plan = make_plan(self.pg, self.step, self._synced)
+                held = max((st for st, ok in zip(plan.steps, plan.synced) if ok), default=-1)
+                job_step = self._job_step()
+                if held < job_step:
+                    self._wait_for_state(cfg, held, job_step, deadline)
+                    continue
                 # A rank that was never synced (a joiner) may be overwritten while its state arrives.
                 state, nbytes, secs = transfer(self.pg, plan, self.state_dict,
                                                None if self._synced else self.state_dict)
@@ -359,8 +379,52 @@ class Manager:
                        seconds=time.perf_counter() - t0)
             return
 
+    def _job_step(self) -> int:
+        """The most advanced committed step the job is known to have reached (recorded with
+        the membership at a process's first commit and when it closes), or -1 if none.
+        Read at every recovery (one store read): others may have finished meanwhile."""
+        try:
+            fact = self.member.fact(_FACT) or {}
+        except StoreUnavailableError:
+            return -1
+        return int(fact.get("step", 1 if fact.get("committed") else -1))
+
+    def _mark_committed(self, final: bool = False) -> None:
+        """Record the job's progress (see StateLostError): once per process at its first
+        commit, and its last step when it closes (only ever raised)."""
+        if self._committed_marked and not final:
+            return
+        try:
+            fact = self.member.fact(_FACT) or {}
+            if int(fact.get("step", -1)) < self.step:
+                self.member.set_fact(_FACT, {"committed": True, "step": self.step})
+            self._committed_marked = True
+        except StoreUnavailableError as exc:
+            logger.warning("manager: could not record the job's progress (%s); will retry", exc)
+
+    def _wait_for_state(self, cfg: Any, held: int, job_step: int, deadline: float) -> None:
+        """No member here holds the job's most advanced committed state (all fresh, or all
+        behind a step the job reached: e.g. a fenced member rejoining alone after the others
+        finished). Going on would silently start a second history of the job (from scratch,
+        or from a stale step), so wait for a configuration with a holder, or give up."""
+        logger.error("manager: no member of epoch %d holds the job's committed state (the job reached step %d, "
+                     "the members here hold %s); waiting for a holder instead of training from there",
+                     cfg.epoch, job_step, "nothing" if held < 0 else f"step {held}")
+        self._emit("state_lost", epoch=cfg.epoch, job_step=job_step, held=held)
+        try:
+            self.member.wait_next(cfg.epoch, timeout=max(deadline - time.monotonic(), 0.001))
+        except MembershipTimeoutError:
+            raise StateLostError(
+                f"no member of epoch {cfg.epoch} holds the job's committed state (step {job_step}; the members "
+                f"hold {'nothing' if held < 0 else f'step {held}'}) and none came back within "
+                f"{self.sync_timeout:g} s: every replica that held it is gone. Restore from a checkpoint or "
+                "restart the job") from None
+
     def close(self) -> None:
-        """Leave the membership (the others need not wait for a heartbeat timeout)."""
+        """Record the step reached, and leave the membership (the others need not wait for a
+        heartbeat timeout)."""
+        if self._synced and self.step > 0:
+            self._mark_committed(final=True)
         self.member.close(leave=True)
 
 
