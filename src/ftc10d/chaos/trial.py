@@ -353,7 +353,8 @@ class Trial:
             violations.append(f"the job failed: launcher exit code {rc}")
         violations += self._unexpected_exits(events)
         violations += checks.check_commits(events, spec.steps)
-        violations += checks.check_fencing(events, chain)
+        violations += checks.check_fencing(events, chain,
+                                           store_restarted=any(i.fault.kind == "store" and i.t_fault for i in injected))
         violations += checks.check_lineage(events)
         for inj in pending:
             if inj.skipped is None:
