@@ -163,6 +163,23 @@ def test_fresh_members_never_restart_a_job_that_lost_its_state_from_scratch(coor
     assert not first.store.check([f"fp/1/{late.pid(0)}"]) and not first.store.check([f"fp/6/{late.pid(0)}"])
 
 
+def test_a_straggler_after_everyone_left_does_not_train_the_job_again(coordinator: Coordinator) -> None:
+    """The job finished and every worker left (the last one's leave waits in the pending
+    record: it cannot leave a configuration below min_members); a late worker is admitted
+    alone, holds nothing, and the job is recorded at step 5: StateLostError, nothing committed."""
+    first = start(train_worker, 2, coordinator.address, {"steps": 5})
+    try:
+        assert all(r["steps"] == 5 for r in first.collect(timeout=120).values())
+        late = start(train_worker, 1, coordinator.address, {"steps": 10, "sync_timeout": 3.0}, store=first.store)
+        try:
+            with pytest.raises(AssertionError, match="StateLostError: no member of epoch .*step 5"):
+                late.collect(timeout=60)
+        finally:
+            late.close()
+    finally:
+        first.close()
+
+
 def test_bad_manager_options_are_rejected() -> None:
     from ftc10d import InvalidOptionError
     from ftc10d.train import Manager

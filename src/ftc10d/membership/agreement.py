@@ -470,11 +470,13 @@ class Agreement:
             now = time.time()
             merged: dict[str, list[Any]] = {}
             for mid, entry in entries.items():
-                if (mid != self.self_id and isinstance(entry, list) and len(entry) == 2
+                # (a member's own leave is kept: the last member of a configuration cannot leave
+                # it below min_members, so its leave waits here for the next one to apply it)
+                if (isinstance(entry, list) and len(entry) == 2 and (mid != self.self_id or entry[0] == "left")
                         and isinstance(entry[1], (int, float)) and now - entry[1] < self.pending_ttl):
                     merged[mid] = entry
             for mid, why in removals.items():
-                if mid != self.self_id and not (mid in merged and merged[mid][0] in CONFIRMED):
+                if (mid != self.self_id or why == "left") and not (mid in merged and merged[mid][0] in CONFIRMED):
                     merged[mid] = [why, now]
             value = self.signer.encode(key, {"kind": "pending", "remove": merged, "blocked": blocked, "t": now})
             ok, _ = self.store.create(key, value) if raw is None else self.store.replace(key, raw, value)
