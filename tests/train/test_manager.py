@@ -152,14 +152,19 @@ def test_fresh_members_never_restart_a_job_that_lost_its_state_from_scratch(coor
             first.signal(r, signal.SIGKILL)
         for handle in cfg.handles:
             coordinator.agreement().report_exit(handle)
-        late = start(train_worker, 1, coordinator.address, {"steps": 10, "sync_timeout": 3.0}, store=first.store)
-        try:
-            with pytest.raises(AssertionError, match="StateLostError: no member of epoch"):
-                late.collect(timeout=60)
-        finally:
-            late.close()
+        _late_worker_finds_the_state_lost(coordinator, first, "StateLostError: no member of epoch")
     finally:
         first.close()
+
+
+def _late_worker_finds_the_state_lost(coordinator: Coordinator, first: Job, match: str) -> None:
+    """A worker started now (alone) must raise StateLostError and commit nothing."""
+    late = start(train_worker, 1, coordinator.address, {"steps": 10, "sync_timeout": 3.0}, store=first.store)
+    try:
+        with pytest.raises(AssertionError, match=match):
+            late.collect(timeout=60)
+    finally:
+        late.close()
     assert not first.store.check([f"fp/1/{late.pid(0)}"]) and not first.store.check([f"fp/6/{late.pid(0)}"])
 
 
@@ -170,12 +175,7 @@ def test_a_straggler_after_everyone_left_does_not_train_the_job_again(coordinato
     first = start(train_worker, 2, coordinator.address, {"steps": 5})
     try:
         assert all(r["steps"] == 5 for r in first.collect(timeout=120).values())
-        late = start(train_worker, 1, coordinator.address, {"steps": 10, "sync_timeout": 3.0}, store=first.store)
-        try:
-            with pytest.raises(AssertionError, match="StateLostError: no member of epoch .*step 5"):
-                late.collect(timeout=60)
-        finally:
-            late.close()
+        _late_worker_finds_the_state_lost(coordinator, first, "StateLostError: no member of epoch .*step 5")
     finally:
         first.close()
 
