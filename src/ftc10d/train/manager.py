@@ -197,16 +197,7 @@ class Manager:
                 self.note_failure(exc)
             else:
                 size = self.pg.size()
-
-                def done(fut: torch.futures.Future) -> torch.Tensor:
-                    try:
-                        fut.value()
-                    except Exception as exc:
-                        self.note_failure(exc)
-                        return tensor
-                    return tensor.div_(size)
-
-                return work.get_future().then(done)
+                return self._when_done(work, tensor, lambda: tensor.div_(size))
         return self._done(tensor)
 
     def allreduce_with_vote(self, tensor: torch.Tensor) -> torch.futures.Future:
@@ -214,9 +205,8 @@ class Manager:
         (the last DDP bucket, under ``vote="fused"``): the bucket, one "failed" count and one
         epoch slot per rank, summed in one all-reduce. Falls back to :meth:`allreduce` for
         dtypes that cannot hold the vote exactly."""
-        if self.vote != "fused" or tensor.dtype not in (torch.float32, torch.float64) or tensor.dim() != 1:
-            return self.allreduce(tensor)
-        if self._error is not None:
+        if (self.vote != "fused" or tensor.dtype not in (torch.float32, torch.float64) or tensor.dim() != 1
+                or self._error is not None):
             return self.allreduce(tensor)
         n, size = tensor.numel(), self.pg.size()
         buf = torch.zeros(n + 1 + size, dtype=tensor.dtype)
@@ -234,14 +224,23 @@ class Manager:
         finally:
             self.in_vote = False
 
+        def finish() -> torch.Tensor:
+            self._fused = (bool(buf[n].item() > 0), int(buf[n + 1:].max().item()))
+            return tensor.copy_(buf[:n]).div_(size)
+
+        return self._when_done(work, tensor, finish)
+
+    def _when_done(self, work: Any, tensor: torch.Tensor, finish: Callable[[], torch.Tensor]) -> torch.futures.Future:
+        """``work``'s future, continued by ``finish`` on success; on failure the failure is
+        noted (the step will not commit) and ``tensor`` returned as it is: never fails."""
+
         def done(fut: torch.futures.Future) -> torch.Tensor:
             try:
                 fut.value()
             except Exception as exc:
                 self.note_failure(exc)
                 return tensor
-            self._fused = (bool(buf[n].item() > 0), int(buf[n + 1:].max().item()))
-            return tensor.copy_(buf[:n]).div_(size)
+            return finish()
 
         return work.get_future().then(done)
 

@@ -163,21 +163,27 @@ def _skeleton_sizes(skeleton: str) -> tuple[list[int], list[int], int]:
     doc = _load_skeleton(skeleton)
     specs: dict[int, tuple[str, list[int]]] = {}
     _tensor_specs(doc["tree"], specs)
-    sizes = []
-    for i in range(len(doc["offsets"])):
+    sizes = [n for _, _, n in _tensor_table(specs, len(doc["offsets"]))]
+    return sizes, [int(o) for o in doc["offsets"]], int(doc["nbytes"])
+
+
+def _tensor_table(specs: dict[int, tuple[str, list[int]]], count: int) -> list[tuple[torch.dtype, list[int], int]]:
+    """(dtype, shape, byte size) of tensors 0..count-1 of a skeleton, validated."""
+    out = []
+    for i in range(count):
         if i not in specs:
             raise StateFormatError(f"state skeleton lists offset {i} without a tensor")
         name, shape = specs[i]
         dtype = _DTYPES.get(name)
         if dtype is None:
             raise StateFormatError(f"state tensor {i} has unknown dtype {name!r}")
-        count = 1
+        elems = 1
         for d in shape:
             if d < 0:
                 raise StateFormatError(f"state tensor {i} has a negative dimension {d}")
-            count *= d
-        sizes.append(count * torch.empty((), dtype=dtype).element_size())
-    return sizes, [int(o) for o in doc["offsets"]], int(doc["nbytes"])
+            elems *= d
+        out.append((dtype, shape, elems * torch.empty((), dtype=dtype).element_size()))
+    return out
 
 
 def _load_skeleton(skeleton: str) -> dict[str, Any]:
@@ -278,17 +284,7 @@ def _unpack(skeleton: str, buffer: torch.Tensor, received: Optional[dict[int, to
     _tensor_specs(doc["tree"], specs)
     offsets = doc["offsets"]
     views: list[torch.Tensor] = []
-    for i in range(len(offsets)):
-        name, shape = specs[i]
-        dtype = _DTYPES.get(name)
-        if dtype is None:
-            raise StateFormatError(f"state tensor {i} has unknown dtype {name!r}")
-        count = 1
-        for s in shape:
-            if s < 0:
-                raise StateFormatError(f"state tensor {i} has a negative dimension {s}")
-            count *= s
-        n = count * torch.empty((), dtype=dtype).element_size()
+    for i, (dtype, shape, n) in enumerate(_tensor_table(specs, len(offsets))):
         off = int(offsets[i])
         if off < 0 or off + n > buffer.numel():
             raise StateFormatError(f"state tensor {i} lies outside the buffer")
