@@ -56,7 +56,7 @@ def _target(nbytes: int) -> float:
 
 
 def build(
-    store: dist.Store, rank: int, world: int, api: str, raw_b: bool = True
+    store: dist.Store, rank: int, world: int, api: str, raw_b: bool = True, check: bool = False
 ) -> tuple[dict[str, Any], Callable[[Any, torch.Tensor], Any]]:
     """The groups to compare and how to call allreduce on them.
 
@@ -87,15 +87,16 @@ def build(
 
         def call(g: Any, t: torch.Tensor) -> Any:
             return dist.all_reduce(t, group=g)
-    groups["ftc10d"] = ftc10d.ProcessGroup(dist.PrefixStore("ftc10d", store), rank, world, timeout=timeout)
+    groups["ftc10d"] = ftc10d.ProcessGroup(dist.PrefixStore("ftc10d", store), rank, world, timeout=timeout,
+                                           check_collectives=check)
     return groups, call
 
 
 def worker(rank: int, world: int, port: int, sizes: list[int], rounds: int, block_ms: float,
-           api: str) -> dict[str, Any]:
+           api: str, check: bool = False) -> dict[str, Any]:
     """One rank: build the three groups, calibrate N per size, then time interleaved blocks."""
     store = client_store(port)
-    groups, call = build(store, rank, world, api)
+    groups, call = build(store, rank, world, api, check=check)
     tensors = {n: torch.ones(n // 4, dtype=torch.float32) for n in sizes}
 
     def block(impl: str, n: int, ops: int) -> float:
@@ -182,12 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api", choices=("method", "dist"), default="method",
                     help="method: g.allreduce([t]).wait() on raw ProcessGroupGloo vs ftc10d; "
                          "dist: dist.all_reduce(t, group=g) on torch-built Gloo groups vs ftc10d")
+    ap.add_argument("--check-collectives", action="store_true",
+                    help="build the ftc10d group with check_collectives=True (its cost is the ratio then)")
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
 
     t0 = time.perf_counter()
-    results = run(worker, args.ranks, sizes, args.rounds, args.block_ms, args.api, timeout=900)
+    results = run(worker, args.ranks, sizes, args.rounds, args.block_ms, args.api, args.check_collectives,
+                  timeout=900)
     summary = summarise(results, sizes)
     local = run(local_worker, 1, args.rounds, 500, args.api, timeout=300)[0]
     local_med = {k: median(v) for k, v in local.items()}

@@ -18,6 +18,7 @@ from ftc10d.pg import (
 )
 from ftc10d.types import (
     CollectiveError,
+    CollectiveMismatchError,
     CollectiveTimeoutError,
     CommunicationError,
     ConfigurationMismatchError,
@@ -90,6 +91,7 @@ __all__ = [
     "ReconfigureConnectError",
     "ReconfigureTimeoutError",
     "CollectiveError",
+    "CollectiveMismatchError",
     "ProcessGroupAborted",
     "CollectiveTimeoutError",
     "PeerFailureError",

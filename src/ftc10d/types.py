@@ -251,6 +251,22 @@ class InvalidOptionError(FTC10DError, ValueError):
     """An argument or option was not understood (unknown hint, wrong type...)."""
 
 
+class CollectiveMismatchError(InvalidOptionError):
+    """Ranks called different collectives (op, shapes, dtypes, root or reduce op) at the
+    same point; found by the collective check (``check_collectives=True``) before any
+    data moved, so the group keeps its configuration and stays usable.
+    ``signatures`` maps each rank to what it called."""
+
+    def __init__(
+        self, message: str, *, op: str, seq: int, uuid: Optional[int], signatures: dict[int, str]
+    ) -> None:
+        super().__init__(message)
+        self.op = op
+        self.seq = seq
+        self.uuid = uuid
+        self.signatures = signatures
+
+
 class ReconfigureError(FTC10DError):
     """``reconfigure()`` failed; the group keeps its previous configuration
     when the failure was detected before the previous one was aborted."""

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch._C._distributed_c10d as _c10d
 
 from ftc10d.pg import handles as _handles
+from ftc10d.pg import signature as _signature
 from ftc10d.pg.generation import (
     Generation,
     PendingRendezvous,
@@ -40,6 +41,7 @@ from ftc10d.pg.observer import GROUP_CREATED, OpObserver
 from ftc10d.pg.work import CompletedWork, MultiWork, Work
 from ftc10d.types import (
     CollectiveError,
+    CollectiveMismatchError,
     ErrorType,
     HookOpName,
     InvalidOptionError,
@@ -90,6 +92,12 @@ class ProcessGroup(dist.ProcessGroup):
             if True it connects on the first :meth:`reconfigure`.
         flight_recorder: record every op in the process's flight recorder
             (None: yes unless ``FTC10D_FLIGHT_RECORDER=0``).
+        check_collectives: before each collective, agree with every member on the op,
+            shapes, dtypes, root and reduce op, so that a mismatch raises
+            :class:`CollectiveMismatchError` on every rank instead of aborting the process
+            inside Gloo. Costs one 16-byte all-reduce per collective (see
+            ``ftc10d.pg.signature``). None: on if ``FTC10D_CHECK_COLLECTIVES=1`` or
+            ``TORCH_DISTRIBUTED_DEBUG=DETAIL``. Every member must use the same setting.
     """
 
     def __init__(
@@ -102,6 +110,7 @@ class ProcessGroup(dist.ProcessGroup):
         timeout: timedelta = DEFAULT_TIMEOUT,
         enable_reconfigure: bool = False,
         flight_recorder: Optional[bool] = None,
+        check_collectives: Optional[bool] = None,
     ) -> None:
         if backend not in BACKENDS:
             raise InvalidOptionError(f"backend {backend!r} is not supported; choose one of {list(BACKENDS)}")
@@ -116,6 +125,9 @@ class ProcessGroup(dist.ProcessGroup):
         self._init_rank = rank
         self._init_size = world_size
         self._backend_name = backend
+        self._check_collectives = (
+            _signature.enabled_from_env() if check_collectives is None else bool(check_collectives)
+        )
         self._timeout = timeout
         self._timeout_ms = int(timeout.total_seconds() * 1000)
         self._handle = _handles.new_handle()
@@ -374,6 +386,7 @@ class ProcessGroup(dist.ProcessGroup):
         call: Callable[[Any], Any],
         result: Any,
         p2p: bool = False,
+        opts: Any = None,
     ) -> Work:
         gen = self._gen
         if gen is None:
@@ -394,6 +407,8 @@ class ProcessGroup(dist.ProcessGroup):
             seq = gen.collective_seq
         obs = self._observer
         entry = obs.on_issue(self, gen, op, seq, p2p, root, inputs, outputs, op_id) if obs is not None else None
+        if self._check_collectives and not p2p:
+            self._check(gen, op, seq, root, opts, inputs, outputs, entry)
         try:
             inner = call(gen.backend)
         except (TypeError, ValueError):
@@ -413,18 +428,40 @@ class ProcessGroup(dist.ProcessGroup):
             self._post_hooks.fire(make_post_hook_args(hook_name, async_op, work, op_id))
         return work
 
+    def _check(self, gen: Generation, op: str, seq: int, root: int, opts: Any, inputs: Tensors, outputs: Tensors,
+               entry: Any) -> None:
+        """The collective check (``check_collectives``): agree on the op's signature first."""
+        sig = _signature.signature(op, root, opts, inputs, outputs)
+        try:
+            _signature.check(gen.backend, sig, op=op, seq=seq, uuid=gen.uuid, rank=gen.rank, size=gen.size)
+        except CollectiveMismatchError:
+            if entry is not None:
+                entry.fail("collective mismatch")
+            raise
+        except Exception as exc:
+            if not is_communication_failure(exc):
+                raise
+            if entry is not None:
+                entry.fail("communication error")
+            raise gen.on_failure(op, seq, exc, abort_inline=True) from exc
+
+    @property
+    def check_collectives(self) -> bool:
+        """Whether each collective is checked against the other ranks' before it runs."""
+        return self._check_collectives
+
     # ------------------------------------------------------------ collectives
 
     def allreduce(self, tensors: Any, opts: Any = None) -> Work:
         tensors = _as_list(tensors)
         o = _opts(_c10d.AllreduceOptions, opts)
         return self._issue(HookOpName.ALLREDUCE, "all_reduce", tensors, tensors, -1, o.asyncOp,
-                           lambda b: b.allreduce(tensors, o), tensors)
+                           lambda b: b.allreduce(tensors, o), tensors, opts=o)
 
     def allreduce_coalesced(self, tensors: Tensors, opts: Any = None) -> Work:
         o = _opts(_c10d.AllreduceCoalescedOptions, opts)
         return self._issue(HookOpName.ALLREDUCE, "all_reduce_coalesced", tensors, tensors, -1, o.asyncOp,
-                           lambda b: b.allreduce_coalesced(tensors, o), tensors)
+                           lambda b: b.allreduce_coalesced(tensors, o), tensors, opts=o)
 
     def broadcast(self, tensors: Any, opts: Any = None) -> Work:
         tensors = _as_list(tensors)
@@ -436,7 +473,7 @@ class ProcessGroup(dist.ProcessGroup):
         tensors = _as_list(tensors)
         o = _opts(_c10d.ReduceOptions, opts)
         return self._issue(HookOpName.REDUCE, "reduce", tensors, tensors, o.rootRank, o.asyncOp,
-                           lambda b: b.reduce(tensors, o), tensors)
+                           lambda b: b.reduce(tensors, o), tensors, opts=o)
 
     def allgather(self, output_tensors: list[Tensors], input_tensors: Tensors, opts: Any = None) -> Work:
         o = _opts(_c10d.AllgatherOptions, opts)
@@ -485,12 +522,13 @@ class ProcessGroup(dist.ProcessGroup):
         o = _opts(_c10d.ReduceScatterOptions, opts)
         flat_in = [t for ts in input_tensors for t in ts]
         return self._issue(HookOpName.REDUCE_SCATTER, "reduce_scatter", flat_in, output_tensors, -1, o.asyncOp,
-                           lambda b: b.reduce_scatter(output_tensors, input_tensors, o), output_tensors)
+                           lambda b: b.reduce_scatter(output_tensors, input_tensors, o), output_tensors,
+                           opts=o)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
         o = _opts(_c10d.ReduceScatterOptions, opts)
         return self._issue(HookOpName.REDUCE_SCATTER, "reduce_scatter_tensor", [input], [output], -1, o.asyncOp,
-                           lambda b: b._reduce_scatter_base(output, input, o), [output])
+                           lambda b: b._reduce_scatter_base(output, input, o), [output], opts=o)
 
     _reduce_scatter_base = reduce_scatter_single
 
