@@ -213,6 +213,10 @@ def coordinator(args: argparse.Namespace) -> int:
     arg("--coordinator", default=None, metavar="HOST:PORT",
         help="use this membership coordinator (another node's launcher, or `ftc10d coordinator`) "
              "instead of hosting one here"),
+    arg("--membership-endpoints", default=None, metavar="URL[,URL...]",
+        help="keep the membership in this etcd cluster (e.g. http://10.0.0.1:2379,http://10.0.0.2:2379,"
+             "http://10.0.0.3:2379) instead of the coordinator store, which then only serves the process "
+             "group's rendezvous; needs pip install 'ftc10d[etcd]'"),
     arg("--host", default="127.0.0.1", metavar="ADDR",
         help="bind address of the embedded coordinator (default: 127.0.0.1; 0.0.0.0 for multi-node)"),
     arg("--port", type=int, default=0, metavar="N", help="port of the embedded coordinator (default: 0, a free one)"),
@@ -232,7 +236,8 @@ def launch(args: argparse.Namespace) -> int:
     exit within milliseconds (pidfd), reports it to the membership at once, and
     respawns that slot only (from a warm spare with --spares), while the survivors
     reconfigure in place and the replacement receives its state from a live peer.
-    Hosts the membership coordinator unless --coordinator is given. SIGINT/SIGTERM
+    Hosts the membership coordinator unless --coordinator is given; with
+    --membership-endpoints the membership lives in etcd instead. SIGINT/SIGTERM
     are forwarded to the workers (SIGKILL after a grace period). Exit code 0 when
     every worker exited 0."""
     from ftc10d.launch import LaunchConfig, run
@@ -240,7 +245,9 @@ def launch(args: argparse.Namespace) -> int:
 
     config = LaunchConfig(
         script=args.script, script_args=list(args.script_args), nproc_per_node=args.nproc_per_node,
-        spares=args.spares, max_restarts=args.max_restarts, coordinator=args.coordinator, host=args.host,
+        spares=args.spares, max_restarts=args.max_restarts, coordinator=args.coordinator,
+        membership_endpoints=None if args.membership_endpoints is None else args.membership_endpoints.split(","),
+        host=args.host,
         port=args.port, nnodes=args.nnodes, node_rank=args.node_rank, heartbeat_timeout=args.heartbeat_timeout,
         min_members=args.min_members, log_dir=args.log_dir,
     )
