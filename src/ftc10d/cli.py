@@ -288,6 +288,10 @@ def launch(args: argparse.Namespace) -> int:
         help="training steps per trial, ~0.06 s each (default: 150)"),
     arg("--heartbeat-timeout", type=float, default=0.75, metavar="SECONDS",
         help="membership heartbeat timeout of the job (default: 0.75)"),
+    arg("--membership", choices=("tcp", "etcd"), default="tcp",
+        help="where the job's membership lives: tcp, the coordinator TCPStore (default), or etcd, a 3-member "
+             "cluster each trial starts on loopback (adds the etcd fault: one member SIGKILLed and restarted; "
+             "needs the etcd binary and pip install 'ftc10d[etcd]'; --hosts 1 only)"),
     arg("--keep", action="store_true", help="keep the event files and logs of survived trials too"),
 )
 def chaos(args: argparse.Namespace) -> int:
@@ -309,6 +313,13 @@ def chaos(args: argparse.Namespace) -> int:
     if not 1 <= args.hosts <= (args.world_size + 1) // 2:
         args.parser.error(f"--hosts must be in [1, {(args.world_size + 1) // 2}] with --world-size "
                           f"{args.world_size} (each extra host runs one worker, a minority)")
+    if args.membership == "etcd" and args.replay is None:
+        from ftc10d.chaos.etcd import ETCD, SKIP_REASON
+
+        if args.hosts > 1:
+            args.parser.error("--membership etcd runs its etcd cluster on loopback: use it with --hosts 1")
+        if ETCD is None:
+            args.parser.error(f"--membership etcd: {SKIP_REASON}")
     from ftc10d.chaos import runner
     from ftc10d.chaos.schedule import ScheduleError
 
@@ -316,7 +327,7 @@ def chaos(args: argparse.Namespace) -> int:
     try:
         return runner.run(trials=args.trials, seed=args.seed, out=args.out, replay=args.replay, hosts=args.hosts,
                           world_size=args.world_size, steps=args.steps, heartbeat_timeout=args.heartbeat_timeout,
-                          keep=args.keep, command=command)
+                          keep=args.keep, command=command, membership=args.membership)
     except ScheduleError as exc:
         args.parser.error(str(exc))
         return 2

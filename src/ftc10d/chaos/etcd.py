@@ -20,8 +20,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-import requests
-
 from ftc10d.chaos.coordinator import free_port
 
 logger = logging.getLogger("ftc10d")
@@ -137,6 +135,8 @@ class EtcdCluster:
             if out is None:
                 return node.proc is not None and node.proc.poll() is None
             return '"health":"true"' in out.stdout
+        import requests  # the etcd extra's dependency: only needed once a cluster runs
+
         try:
             return requests.get(node.endpoint + "/health", timeout=1).json().get("health") == "true"
         except Exception:
