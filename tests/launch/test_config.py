@@ -121,3 +121,10 @@ def test_cli_rejects_bad_options_with_a_hint() -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "--nproc-per-node must be at least 1" in out.stderr
+
+
+def test_cli_rejects_a_bad_etcd_endpoint_with_a_hint() -> None:
+    out = subprocess.run([sys.executable, "-m", "ftc10d", "launch", "--membership-endpoints",
+                          "http://127.0.0.1:2379,127.0.0.1:2381", SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "'127.0.0.1:2381' is not an etcd client URL; give http://HOST:PORT" in out.stderr, out.stderr

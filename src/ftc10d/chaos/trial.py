@@ -5,8 +5,8 @@ launch`` (one launcher per host; host 0's hosts the coordinator), with warm
 spares. Faults are injected from this process: signals to a slot's worker pid
 (``Launcher.kill``), the job's ``die`` option armed at launch, a link of a network
 namespace taken down, a member of the trial's own etcd cluster SIGKILLed and restarted
-(``--membership etcd``: each trial starts three on loopback, data dirs in its folder). The driver loop is a single thread ticking every 10 ms:
-it tails the workers' event files for the job's progress and fires each fault
+(``--membership etcd``: each trial starts three on loopback, data dirs in its folder).
+The driver loop is a single thread ticking every 10 ms: it tails the workers' event files for the job's progress and fires each fault
 when its step is committed, plus the timed halves (SIGCONT, duty cycles, heal).
 
 After the job, whatever happened: every stopped process is resumed, links are
@@ -150,7 +150,8 @@ class Trial:
                 env["GLOO_SOCKET_IFNAME"] = self.net.ifname_of(host)
             cfg = LaunchConfig(
                 script=JOB, nproc_per_node=len(slots), spares=self.spec.spares if host == 0 else 0,
-                max_restarts=10, coordinator=address, membership_endpoints=endpoints, host=self.net.ip_of(0) if self.spec.hosts > 1 else "127.0.0.1",
+                max_restarts=10, coordinator=address, membership_endpoints=endpoints,
+                host=self.net.ip_of(0) if self.spec.hosts > 1 else "127.0.0.1",
                 heartbeat_timeout=self.spec.heartbeat_timeout, min_members=min(MIN_MEMBERS, len(slots)), env=env,
                 log_dir=str(self.folder / "logs" / f"host{host}"), python=self.net.python_for(host, self.folder),
             )
