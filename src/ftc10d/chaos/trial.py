@@ -6,8 +6,9 @@ spares. Faults are injected from this process: signals to a slot's worker pid
 (``Launcher.kill``), the job's ``die`` option armed at launch, a link of a network
 namespace taken down, a member of the trial's own etcd cluster SIGKILLed and restarted
 (``--membership etcd``: each trial starts three on loopback, data dirs in its folder).
-The driver loop is a single thread ticking every 10 ms: it tails the workers' event files for the job's progress and fires each fault
-when its step is committed, plus the timed halves (SIGCONT, duty cycles, heal).
+The driver loop is a single thread ticking every 10 ms: it tails the workers' event
+files for the job's progress and fires each fault when its step is committed, plus the
+timed halves (SIGCONT, duty cycles, heal, etcd restart).
 
 After the job, whatever happened: every stopped process is resumed, links are
 restored, launchers closed, the etcd cluster (after a check that a restarted member
