@@ -142,6 +142,28 @@ class EtcdCluster:
         except Exception:
             return False
 
+    def healthy(self, i: int) -> bool:
+        """Node ``i`` answers ``/health`` as healthy (it is up and the cluster has a leader)."""
+        return self._healthy(self.nodes[i])
+
+    def leader(self) -> Optional[int]:
+        """The index of the Raft leader, as the first node that answers says; None if none answers
+        (loopback nodes only). What a killed member was matters: a follower's loss costs nothing,
+        a leader's costs an election (``--election-timeout``) during which no write commits."""
+        import requests
+
+        status: list[Optional[dict]] = []
+        for node in self.nodes:
+            try:
+                status.append(requests.post(node.endpoint + "/v3/maintenance/status", json={}, timeout=1).json())
+            except Exception:
+                status.append(None)
+        ids = [None if st is None else st.get("header", {}).get("member_id") for st in status]
+        for st in status:
+            if st is not None and st.get("leader") in ids:
+                return ids.index(st["leader"])
+        return None
+
     def wait_healthy(self, timeout: float = 30.0, nodes: Optional[list[int]] = None) -> None:
         deadline = time.monotonic() + timeout
         want = list(range(len(self.nodes))) if nodes is None else nodes

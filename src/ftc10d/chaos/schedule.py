@@ -26,7 +26,8 @@ Kinds (``KINDS``), with ``hb`` the heartbeat timeout:
                   ``duration`` later, with none of its state: members re-form;
 - ``etcd``        (``--membership etcd`` only) etcd member ``slot`` of the trial's three is
                   SIGKILLed and restarted ``duration`` (0.5-3 s) later on its own data dir,
-                  so it rejoins the cluster; the other two keep the quorum, the job trains on.
+                  so it rejoins the cluster; the other two keep the quorum, the job trains on
+                  (the trial holds it back while another member is not healthy again).
 
 ``TrialSpec.membership`` says where the job's membership lives: ``tcp`` (the coordinator
 store, the default) or ``etcd`` (a 3-member cluster on loopback that each trial starts).

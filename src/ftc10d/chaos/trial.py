@@ -201,6 +201,8 @@ class Trial:
             if f.kind in ("partition", "die_vote", "store", "etcd") else [f.slot]
         if any(self._pid(s) is None for s in targets if s is not None):
             return False
+        if f.kind == "etcd" and not self._etcd_whole(f.slot):
+            return False  # one of three at a time: a second one down would take the quorum away
         inj.t_fault = now
         hb = self.spec.heartbeat_timeout
         if f.kind in ("kill", "die_send"):
@@ -231,6 +233,10 @@ class Trial:
         elif f.kind == "etcd":
             assert self.etcd is not None
             node = self.etcd.nodes[f.slot]
+            leader = self.etcd.leader()
+            self.notes.append(f"{f}: etcd member {f.slot} was "
+                              + ("the leader" if leader == f.slot else "unknown (no status)" if leader is None
+                                 else f"a follower (leader: member {leader})"))
             inj.pids = [node.proc.pid] if node.proc is not None else []
             self.etcd.kill(f.slot)
             self._at(now + (f.duration or 1.0), lambda: self._restart_etcd(inj))
@@ -252,6 +258,12 @@ class Trial:
         assert self.coord is not None
         self.coord.start()
         inj.t_end = time.time()
+
+    def _etcd_whole(self, slot: int) -> bool:
+        """Every etcd member but ``slot`` is up and healthy: an earlier etcd fault's member
+        restarted and caught up (else the trial waits, like a fault whose slot is empty)."""
+        assert self.etcd is not None
+        return all(self.etcd.healthy(i) for i in range(len(self.etcd.nodes)) if i != slot)
 
     def _restart_etcd(self, inj: Injected) -> None:
         assert self.etcd is not None
@@ -328,7 +340,9 @@ class Trial:
                         first = waiting_since.setdefault(id(inj), time.monotonic())
                         if time.monotonic() - first < RETARGET_S:
                             break
-                        inj.skipped = f"no live worker in the slot for {RETARGET_S:g} s"
+                        inj.skipped = (f"an earlier etcd fault's member was not healthy again for {RETARGET_S:g} s"
+                                       if inj.fault.kind == "etcd" else
+                                       f"no live worker in the slot for {RETARGET_S:g} s")
                     pending.pop(0)
                 for launcher in self.launchers:
                     self.pids.update(launcher.spare_pids())
