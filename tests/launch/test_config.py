@@ -76,6 +76,8 @@ def test_etcd_membership_reaches_the_worker_and_an_inherited_one_does_not() -> N
                      environ={}, membership_prefix="/ftc10d/membership/abc/")
     parsed = WorkerEnv.from_environ(env)
     assert parsed.membership_endpoints == ("http://10.0.0.1:2379", "http://10.0.0.2:2379")
+    assert base_env(config, {})["FTC10D_MEMBERSHIP_ENDPOINTS"] == env["FTC10D_MEMBERSHIP_ENDPOINTS"], \
+        "spares pre-import the etcd client when the job's membership is there"
     store = parsed.membership_store()
     assert store.kind == "etcd" and store.prefix == "/ftc10d/membership/abc/"
     stale = {"FTC10D_MEMBERSHIP_ENDPOINTS": "http://old:2379", "FTC10D_MEMBERSHIP_PREFIX": "/old/"}

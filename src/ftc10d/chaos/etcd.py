@@ -70,8 +70,8 @@ class EtcdCluster:
         self.nodes: list[Node] = []
         for i in range(n):
             # Ports are picked in the root namespace; the loopback of a fresh namespace has them all free.
-            self.nodes.append(Node(f"n{i}", hosts[i], free_port(hosts[i]), hosts[i], free_port(hosts[i]), netns.get(i),
-                                   extra.get(i, [])))
+            self.nodes.append(Node(f"n{i}", hosts[i], free_port("127.0.0.1"), hosts[i], free_port("127.0.0.1"),
+                                   netns.get(i), extra.get(i, [])))
         self.token = os.path.basename(self.base)
 
     @property

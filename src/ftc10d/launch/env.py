@@ -40,6 +40,11 @@ def base_env(config: LaunchConfig, environ: Optional[Mapping[str, str]] = None) 
     env.update(config.env)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if config.membership_endpoints is not None:  # job-wide: a spare pre-imports the etcd client for it
+        env[MEMBERSHIP_ENDPOINTS_ENV] = ",".join(parse_endpoints(config.membership_endpoints))
+    else:  # one inherited from the launcher's own environment would split the job's membership
+        env.pop(MEMBERSHIP_ENDPOINTS_ENV, None)
+        env.pop(MEMBERSHIP_PREFIX_ENV, None)
     return env
 
 
@@ -73,13 +78,8 @@ def worker_env(
         HEARTBEAT_ENV: repr(float(config.heartbeat_timeout)),
         MIN_MEMBERS_ENV: str(config.effective_min_members),
     })
-    if config.membership_endpoints is not None:
-        env[MEMBERSHIP_ENDPOINTS_ENV] = ",".join(parse_endpoints(config.membership_endpoints))
-        if membership_prefix:
-            env[MEMBERSHIP_PREFIX_ENV] = membership_prefix
-    else:  # one inherited from the launcher's own environment would split the job's membership
-        env.pop(MEMBERSHIP_ENDPOINTS_ENV, None)
-        env.pop(MEMBERSHIP_PREFIX_ENV, None)
+    if config.membership_endpoints is not None and membership_prefix:
+        env[MEMBERSHIP_PREFIX_ENV] = membership_prefix
     token = config.effective_token
     if token:
         env[TOKEN_ENV] = token
