@@ -213,6 +213,10 @@ def coordinator(args: argparse.Namespace) -> int:
     arg("--coordinator", default=None, metavar="HOST:PORT",
         help="use this membership coordinator (another node's launcher, or `ftc10d coordinator`) "
              "instead of hosting one here"),
+    arg("--membership-endpoints", default=None, metavar="URL[,URL...]",
+        help="keep the membership in this etcd cluster (e.g. http://10.0.0.1:2379,http://10.0.0.2:2379,"
+             "http://10.0.0.3:2379) instead of the coordinator store, which then only serves the process "
+             "group's rendezvous; needs pip install 'ftc10d[etcd]'"),
     arg("--host", default="127.0.0.1", metavar="ADDR",
         help="bind address of the embedded coordinator (default: 127.0.0.1; 0.0.0.0 for multi-node)"),
     arg("--port", type=int, default=0, metavar="N", help="port of the embedded coordinator (default: 0, a free one)"),
@@ -232,7 +236,8 @@ def launch(args: argparse.Namespace) -> int:
     exit within milliseconds (pidfd), reports it to the membership at once, and
     respawns that slot only (from a warm spare with --spares), while the survivors
     reconfigure in place and the replacement receives its state from a live peer.
-    Hosts the membership coordinator unless --coordinator is given. SIGINT/SIGTERM
+    Hosts the membership coordinator unless --coordinator is given; with
+    --membership-endpoints the membership lives in etcd instead. SIGINT/SIGTERM
     are forwarded to the workers (SIGKILL after a grace period). Exit code 0 when
     every worker exited 0."""
     from ftc10d.launch import LaunchConfig, run
@@ -240,7 +245,9 @@ def launch(args: argparse.Namespace) -> int:
 
     config = LaunchConfig(
         script=args.script, script_args=list(args.script_args), nproc_per_node=args.nproc_per_node,
-        spares=args.spares, max_restarts=args.max_restarts, coordinator=args.coordinator, host=args.host,
+        spares=args.spares, max_restarts=args.max_restarts, coordinator=args.coordinator,
+        membership_endpoints=None if args.membership_endpoints is None else args.membership_endpoints.split(","),
+        host=args.host,
         port=args.port, nnodes=args.nnodes, node_rank=args.node_rank, heartbeat_timeout=args.heartbeat_timeout,
         min_members=args.min_members, log_dir=args.log_dir,
     )
@@ -281,6 +288,10 @@ def launch(args: argparse.Namespace) -> int:
         help="training steps per trial, ~0.06 s each (default: 150)"),
     arg("--heartbeat-timeout", type=float, default=0.75, metavar="SECONDS",
         help="membership heartbeat timeout of the job (default: 0.75)"),
+    arg("--membership", choices=("tcp", "etcd"), default="tcp",
+        help="where the job's membership lives: tcp, the coordinator TCPStore (default), or etcd, a 3-member "
+             "cluster each trial starts on loopback (adds the etcd fault: one member SIGKILLed and restarted; "
+             "needs the etcd binary and pip install 'ftc10d[etcd]'; --hosts 1 only)"),
     arg("--keep", action="store_true", help="keep the event files and logs of survived trials too"),
 )
 def chaos(args: argparse.Namespace) -> int:
@@ -302,6 +313,13 @@ def chaos(args: argparse.Namespace) -> int:
     if not 1 <= args.hosts <= (args.world_size + 1) // 2:
         args.parser.error(f"--hosts must be in [1, {(args.world_size + 1) // 2}] with --world-size "
                           f"{args.world_size} (each extra host runs one worker, a minority)")
+    if args.membership == "etcd" and args.replay is None:
+        from ftc10d.chaos.etcd import ETCD, SKIP_REASON
+
+        if args.hosts > 1:
+            args.parser.error("--membership etcd runs its etcd cluster on loopback: use it with --hosts 1")
+        if ETCD is None:
+            args.parser.error(f"--membership etcd: {SKIP_REASON}")
     from ftc10d.chaos import runner
     from ftc10d.chaos.schedule import ScheduleError
 
@@ -309,7 +327,7 @@ def chaos(args: argparse.Namespace) -> int:
     try:
         return runner.run(trials=args.trials, seed=args.seed, out=args.out, replay=args.replay, hosts=args.hosts,
                           world_size=args.world_size, steps=args.steps, heartbeat_timeout=args.heartbeat_timeout,
-                          keep=args.keep, command=command)
+                          keep=args.keep, command=command, membership=args.membership)
     except ScheduleError as exc:
         args.parser.error(str(exc))
         return 2

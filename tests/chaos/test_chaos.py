@@ -3,7 +3,8 @@ launcher, real signals; every invariant check must come back clean.
 
 Seed 6 with 2 trials of 100 steps draws: a SIGSTOP past the heartbeat timeout (removed, fenced,
 rejoins); and a SIGKILL, then a survivor that dies as it sends the state to a replacement.
-About 2 minutes on 2 busy cores. The long run is documented in docs/reliability.md.
+About 2 minutes on 2 busy cores. The long run is documented in docs/reliability.md. Then one
+fixed etcd trial (``--membership etcd``): one of three etcd members killed, and a worker.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from ftc10d.chaos.etcd import ETCD, SKIP_REASON
 from ftc10d.chaos.schedule import draw, trial_seeds
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,3 +56,28 @@ def test_a_bad_replay_file_is_a_usage_error(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "ftc10d", "chaos", "--replay", str(bad), "--out",
                            str(tmp_path / "o")], env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "slot 7" in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(ETCD is None, reason=SKIP_REASON)
+def test_etcd_member_killed_and_a_worker_killed_through_the_runner(tmp_path: Path) -> None:
+    """``--membership etcd``: the trial's job keeps its membership in a 3-member etcd cluster;
+    one member is SIGKILLed and restarted on its data dir (two keep the quorum), a worker is
+    SIGKILLed later. The job must train to its last step with every check clean, and the
+    cluster must be gone afterwards (no process, port or data dir left)."""
+    spec = {"seed": 1, "membership": "etcd", "world_size": 3, "steps": 45, "timeout": 150,
+            "faults": [{"kind": "etcd", "slot": 0, "at_step": 10, "duration": 1.0},
+                       {"kind": "kill", "slot": 1, "at_step": 24}]}
+    replay = tmp_path / "spec.json"
+    replay.write_text(json.dumps(spec))
+    out = tmp_path / "chaos"
+    proc = subprocess.run([sys.executable, "-m", "ftc10d", "chaos", "--replay", str(replay), "--out", str(out),
+                           "--keep"], env=_env(), capture_output=True, text=True, timeout=240)
+    summary = json.loads((out / "summary.json").read_text())
+    assert proc.returncode == 0 and summary["violations"] == [], proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert summary["faults_by_kind"] == {"etcd": 1, "kill": 1}, summary
+    assert all(v is not None for v in summary["worst_stall_s_by_kind"].values()), summary
+    record = json.loads(next((out / "trials").glob("*.json")).read_text())
+    etcd = [f for f in record["faults"] if f["fault"]["kind"] == "etcd"][0]
+    assert etcd["pids"] and etcd["t_end"] >= etcd["t_fault"] + 1.0, etcd  # killed, then restarted
+    assert record["spec"]["membership"] == "etcd"
+    assert not list((out / "trials").glob("*/etcd")), "the trial's etcd data dirs must be removed"

@@ -142,3 +142,46 @@ def test_summary_counts_kinds_stalls_and_violations() -> None:
     assert s["worst_stall_s_by_kind"] == {"kill": 0.9}
     assert s["violations"] == [{"seed": 7, "schedule": spec.describe(), "violations": ["replicas differ"],
                                 "replay": "/x/trials/1-7.json"}]
+
+
+def test_etcd_faults_are_drawn_only_with_etcd_membership_and_replay_unchanged(tmp_path: Path) -> None:
+    etcd_kinds: set[str] = set()
+    for seed in trial_seeds(42, 40):
+        assert "etcd" not in {f.kind for f in draw(seed).faults}, "the default membership is the coordinator"
+        spec = draw(seed, membership="etcd")
+        assert spec.membership == "etcd" and draw(seed, membership="etcd") == spec
+        kinds = {f.kind for f in spec.faults}
+        assert "store" not in kinds, "store is the coordinator TCPStore's fault (membership tcp)"
+        etcd_kinds |= kinds
+        for f in spec.faults:
+            if f.kind == "etcd":
+                assert 0 <= f.slot < 3 and f.duration is not None and 0.5 <= f.duration <= 3.0
+                assert str(f) == f"etcd@{f.at_step} etcd member {f.slot} for {f.duration:.2f} s"
+        path = tmp_path / f"{seed}.json"
+        path.write_text(json.dumps({"spec": spec.to_json(), "violations": []}))
+        assert load_replay(str(path)) == spec
+    assert "etcd" in etcd_kinds
+    old = draw(7).to_json()
+    del old["membership"]  # a record from before the option replays as a coordinator trial
+    assert TrialSpec.from_json(old).membership == "tcp"
+
+
+def test_bad_etcd_faults_are_refused() -> None:
+    etcd = {"kind": "etcd", "slot": 0, "at_step": 10, "duration": 1.0}
+    with pytest.raises(ScheduleError, match="--membership etcd"):
+        TrialSpec.from_json({"seed": 1, "faults": [etcd]})
+    for fault, words in (({**etcd, "slot": 3}, r"not in \[0, 3\)"), ({**etcd, "duration": None}, "positive duration")):
+        with pytest.raises(ScheduleError, match=words):
+            TrialSpec.from_json({"seed": 1, "membership": "etcd", "faults": [fault]})
+    with pytest.raises(ScheduleError, match="--hosts 1"):
+        TrialSpec.from_json({"seed": 1, "membership": "etcd", "hosts": 2, "faults": []})
+    with pytest.raises(ScheduleError, match="membership 'zk'"):
+        TrialSpec.from_json({"seed": 1, "membership": "zk", "faults": []})
+
+
+def test_summary_counts_etcd_faults_by_kind() -> None:
+    spec = TrialSpec(7, [Fault("etcd", 2, 10, 1.5), Fault("kill", 1, 40)], membership="etcd")
+    r = TrialResult(spec, [], [Injected(spec.faults[0], t_fault=1.0, stall_s=0.3),
+                               Injected(spec.faults[1], t_fault=5.0, stall_s=0.5)], 20.0, 0)
+    s = summarize([r], "ftc10d chaos --membership etcd")
+    assert s["faults_by_kind"] == {"etcd": 1, "kill": 1} and s["worst_stall_s_by_kind"] == {"etcd": 0.3, "kill": 0.5}

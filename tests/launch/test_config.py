@@ -33,6 +33,9 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "record_env.py")
     ({"min_members": 0}, "--min-members must be at least 1"),
     ({"token": ""}, "token is empty"),
     ({"env": {"A=B": "x"}}, "is not NAME=string"),
+    ({"membership_endpoints": []}, "--membership-endpoints is empty"),
+    ({"membership_endpoints": ["127.0.0.1:2379"]}, "is not an etcd client URL; give http://HOST:PORT"),
+    ({"membership_endpoints": ["http://h:2379", "http://h:2379/"]}, "names an endpoint twice"),
 ])
 def test_validation_errors_say_what_to_do(changes: dict, words: str) -> None:
     config = LaunchConfig(script=SCRIPT)
@@ -64,6 +67,25 @@ def test_worker_env_is_torchrun_compatible_and_parsed_by_the_bootstrap() -> None
     parsed = WorkerEnv.from_environ(env)  # what init_from_env will make of it
     assert (parsed.host, parsed.port, parsed.rank, parsed.world_size) == ("10.1.2.3", 29400, 6, 8)
     assert (parsed.launch_id, parsed.heartbeat_timeout, parsed.min_members) == ("abc", 0.5, 3)
+
+
+def test_etcd_membership_reaches_the_worker_and_an_inherited_one_does_not() -> None:
+    config = LaunchConfig(script=SCRIPT, membership_endpoints=["http://10.0.0.1:2379", "http://10.0.0.2:2379"])
+    config.validate()
+    env = worker_env(config, local_rank=0, restart=0, coordinator="127.0.0.1:29400", launch_id="abc",
+                     environ={}, membership_prefix="/ftc10d/membership/abc/")
+    parsed = WorkerEnv.from_environ(env)
+    assert parsed.membership_endpoints == ("http://10.0.0.1:2379", "http://10.0.0.2:2379")
+    assert base_env(config, {})["FTC10D_MEMBERSHIP_ENDPOINTS"] == env["FTC10D_MEMBERSHIP_ENDPOINTS"], \
+        "spares pre-import the etcd client when the job's membership is there"
+    store = parsed.membership_store()
+    assert store.kind == "etcd" and store.prefix == "/ftc10d/membership/abc/"
+    stale = {"FTC10D_MEMBERSHIP_ENDPOINTS": "http://old:2379", "FTC10D_MEMBERSHIP_PREFIX": "/old/"}
+    env = worker_env(LaunchConfig(script=SCRIPT), local_rank=0, restart=0, coordinator="127.0.0.1:29400",
+                     launch_id="abc", environ=stale)
+    assert WorkerEnv.from_environ(env).membership_store().kind == "tcp"
+    with pytest.raises(InvalidOptionError, match="FTC10D_MEMBERSHIP_ENDPOINTS"):
+        WorkerEnv.from_environ({**env, "FTC10D_MEMBERSHIP_ENDPOINTS": "etcd:2379"})
 
 
 def test_no_token_means_none_in_the_environment() -> None:
@@ -101,3 +123,10 @@ def test_cli_rejects_bad_options_with_a_hint() -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "--nproc-per-node must be at least 1" in out.stderr
+
+
+def test_cli_rejects_a_bad_etcd_endpoint_with_a_hint() -> None:
+    out = subprocess.run([sys.executable, "-m", "ftc10d", "launch", "--membership-endpoints",
+                          "http://127.0.0.1:2379,127.0.0.1:2381", SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "'127.0.0.1:2381' is not an etcd client URL; give http://HOST:PORT" in out.stderr, out.stderr

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Optional
 import pytest
 import torch.distributed as dist
 
+from ftc10d.chaos.etcd import ETCD, SKIP_REASON, EtcdCluster
 from ftc10d.launch import LaunchConfig, Launcher
 from tests.launch.conftest import SCRIPTS, child_env, wait_for
 
@@ -30,7 +31,7 @@ class Run:
     """A launcher running train_job.py, and a client of its store to watch the job."""
 
     def __init__(self, log_dir: Path, opts: dict[str, Any], *, spares: int = 1, hb: float = 2.0,
-                 max_restarts: int = 3) -> None:
+                 max_restarts: int = 3, membership_endpoints: Optional[list[str]] = None) -> None:
         # Long enough that a replacement is in well before the end: the survivors of a short job
         # would finish and leave while it joins (it would then train alone, from nothing).
         opts = {"steps": 70, "interval": 0.02, "finishers": NPROC, **opts}
@@ -38,7 +39,8 @@ class Run:
         env = {"FTC10D_TEST_OPTS": json.dumps(opts), "PYTHONPATH": child_env()["PYTHONPATH"]}
         self.launcher = Launcher(LaunchConfig(script=TRAIN_JOB, nproc_per_node=NPROC, spares=spares,
                                               heartbeat_timeout=hb, max_restarts=max_restarts, env=env,
-                                              log_dir=str(log_dir))).start()
+                                              log_dir=str(log_dir),
+                                              membership_endpoints=membership_endpoints)).start()
         host, _, port = self.launcher.coordinator_address.rpartition(":")
         self.store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
 
@@ -183,3 +185,34 @@ def test_member_dies_during_the_commit_vote(runs: list[Run], tmp_path: Path) -> 
     survivors = [r for r in results.values() if r["pid"] in {e.pid for e in run.launcher.events
                                                                 if e.kind == "started" and e.slot != 2}]
     assert survivors and all(r["aborted"] >= 1 for r in survivors), "the interrupted step must not be applied"
+
+
+@pytest.mark.skipif(ETCD is None, reason=SKIP_REASON)
+def test_membership_in_a_three_member_etcd_cluster_survives_a_sigkilled_rank(runs: list[Run], tmp_path: Path) -> None:
+    """``--membership-endpoints``: the workers' membership and the launcher's exit report both go
+    to etcd (the coordinator store keeps only the group's rendezvous); a SIGKILLed worker is
+    reported there, replaced from the warm spare, and the job trains on to its last step."""
+    from ftc10d.membership import Agreement, Signer, TCPMembershipStore
+
+    cluster = EtcdCluster(3, base=str(tmp_path / "etcd")).start()
+    try:
+        run = Run(tmp_path, {}, membership_endpoints=cluster.endpoints)
+        runs.append(run)
+        run.wait_spares()
+        run.wait_step(0, run.fault_step())
+        victim = run.launcher.kill(1)
+        run.finish()
+        reported = [e for e in run.launcher.events if e.kind == "reported" and e.pid == victim]
+        assert reported and reported[0].detail["epoch"] is not None, run.launcher.events
+        assert [e.slot for e in run.launcher.events if e.kind == "respawned"] == [1]
+        store = run.launcher.membership_store()
+        assert store.kind == "etcd" and run.launcher.launch_id in store.prefix
+        latest = Agreement(store, Signer(None)).latest()
+        assert latest is not None and latest.epoch >= 3, latest  # first config, the kill, the replacement
+        host, _, port = run.launcher.coordinator_address.rpartition(":")
+        assert Agreement(TCPMembershipStore(host, int(port)), Signer(None)).latest() is None, \
+            "membership must not be in the coordinator store"
+    finally:
+        for r in runs:
+            r.close()
+        cluster.stop()

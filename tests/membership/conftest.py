@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from ftc10d.membership import Coordinator
-from tests.membership.etcd_cluster import ETCD, SKIP_REASON, EtcdCluster
+from ftc10d.chaos.etcd import ETCD, SKIP_REASON, EtcdCluster
 
 needs_etcd = pytest.mark.skipif(ETCD is None, reason=SKIP_REASON)
 

@@ -22,7 +22,7 @@ import pytest
 
 from ftc10d.membership import Agreement, Coordinator, Signer
 from tests import harness
-from tests.membership.etcd_cluster import ETCD, SKIP_REASON, EtcdCluster
+from ftc10d.chaos.etcd import ETCD, SKIP_REASON, EtcdCluster
 from tests.membership.workers import member_worker, read_file_states
 
 pytestmark = pytest.mark.skipif(

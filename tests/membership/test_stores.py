@@ -18,7 +18,7 @@ from ftc10d.membership import Agreement, Coordinator, Member, Signer
 from ftc10d.membership.agreement import cfg_key, hb_key
 from tests import harness
 from tests.membership.conftest import etcd_spec, needs_etcd, same_config, states, tcp_spec, wait_states
-from tests.membership.etcd_cluster import EtcdCluster, free_port
+from ftc10d.chaos.etcd import EtcdCluster, free_port
 from tests.membership.workers import member_worker, pg_worker
 
 
@@ -46,7 +46,7 @@ def test_coordinator_restart_reforms_with_fresh_uuid() -> None:
     restarted, the members notice the new incarnation, rejoin under their ids and
     re-form the same membership with a fresh uuid; their ProcessGroups (whose store
     reconnects too) reconfigure onto it and carry on."""
-    port = free_port()
+    port = free_port("127.0.0.1")
     coord = _start_coordinator(port)
     spec = {"kind": "tcp", "host": "127.0.0.1", "port": port}
     job = harness.start(pg_worker, 3, spec, {"expected": 3, "pg_store": "coordinator"})

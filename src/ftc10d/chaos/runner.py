@@ -69,8 +69,10 @@ def _print_result(k: int, n: int, r: TrialResult) -> None:
 
 
 def run(*, trials: int, seed: int, out: str, replay: Optional[str] = None, hosts: int = 1, world_size: int = 4,
-        steps: int = 150, heartbeat_timeout: float = 0.75, keep: bool = False, command: str = "") -> int:
-    """Run the trials; returns 0 iff every trial survived."""
+        steps: int = 150, heartbeat_timeout: float = 0.75, keep: bool = False, command: str = "",
+        membership: str = "tcp") -> int:
+    """Run the trials; returns 0 iff every trial survived. ``membership``: ``tcp`` (the
+    coordinator store) or ``etcd`` (each trial starts a 3-member cluster; adds the ``etcd`` fault)."""
     out_dir = Path(out)
     (out_dir / "trials").mkdir(parents=True, exist_ok=True)
     if replay is not None:
@@ -80,12 +82,13 @@ def run(*, trials: int, seed: int, out: str, replay: Optional[str] = None, hosts
         if hosts > 1 and not ok:
             print(f"ftc10d chaos: --hosts {hosts} ignored: {why}; running on one host", file=sys.stderr)
             hosts = 1
-        kinds = available_kinds(hosts, ok)
+        kinds = available_kinds(hosts, ok, membership)
         specs = [draw(s, world_size=world_size, steps=steps, heartbeat_timeout=heartbeat_timeout, hosts=hosts,
-                      kinds=kinds) for s in trial_seeds(seed, trials)]
+                      kinds=kinds, membership=membership) for s in trial_seeds(seed, trials)]
     first = specs[0]
     print(f"ftc10d chaos: {len(specs)} trial(s), {first.world_size} workers + {first.spares} warm spare(s), "
-          f"{first.steps} steps, heartbeat timeout {first.heartbeat_timeout:g} s, {first.hosts} host(s), out {out_dir}",
+          f"{first.steps} steps, heartbeat timeout {first.heartbeat_timeout:g} s, {first.hosts} host(s), "
+          f"membership {'3-member etcd' if first.membership == 'etcd' else 'coordinator store'}, out {out_dir}",
           flush=True)
     results: list[TrialResult] = []
     t0 = time.time()

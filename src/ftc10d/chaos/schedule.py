@@ -23,7 +23,15 @@ Kinds (``KINDS``), with ``hb`` the heartbeat timeout:
                   ``duration`` > hb, then restored;
 - ``store``       the coordinator store (``ftc10d coordinator``, a process of its own in
                   trials that have this fault) is SIGKILLed and restarted on the same port
-                  ``duration`` later, with none of its state: members re-form.
+                  ``duration`` later, with none of its state: members re-form;
+- ``etcd``        (``--membership etcd`` only) etcd member ``slot`` of the trial's three is
+                  SIGKILLed and restarted ``duration`` (0.5-3 s) later on its own data dir,
+                  so it rejoins the cluster; the other two keep the quorum, the job trains on
+                  (the trial holds it back while another member is not healthy again).
+
+``TrialSpec.membership`` says where the job's membership lives: ``tcp`` (the coordinator
+store, the default) or ``etcd`` (a 3-member cluster on loopback that each trial starts).
+The ``store`` fault (the coordinator TCPStore) is drawn only with ``tcp``, ``etcd`` only with etcd.
 """
 
 from __future__ import annotations
@@ -35,7 +43,11 @@ from typing import Any, Optional
 
 from ftc10d.types import InvalidOptionError
 
-KINDS = ("kill", "stop_short", "stop_long", "slow", "double", "die_vote", "die_send", "partition", "store")
+KINDS = ("kill", "stop_short", "stop_long", "slow", "double", "die_vote", "die_send", "partition", "store", "etcd")
+#: Where a trial's membership lives: the coordinator TCPStore, or a 3-member etcd cluster.
+MEMBERSHIPS = ("tcp", "etcd")
+#: Members of a trial's etcd cluster (one may be down: the other two are a quorum).
+ETCD_MEMBERS = 3
 #: Kinds a ``double`` combines.
 DOUBLE_PARTS = ("kill", "stop_long")
 #: Job steps before the first fault (warm-up) and after the last one (time to recover and finish).
@@ -84,7 +96,7 @@ class Fault:
             return (f"double@{self.at_step}: kill slot {self.slot} + {self.kind2} slot {self.slot2} "
                     f"{self.gap_s * 1000:.0f} ms later{dur}")
         where = f"host {self.slot}" if self.kind == "partition" else "coordinator" if self.kind == "store" \
-            else f"slot {self.slot}"
+            else f"etcd member {self.slot}" if self.kind == "etcd" else f"slot {self.slot}"
         return f"{self.kind}@{self.at_step} {where}{dur}"
 
 @dataclass
@@ -100,6 +112,7 @@ class TrialSpec:
     spares: int = 1
     interval: float = 0.03
     timeout: float = 120.0
+    membership: str = "tcp"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -130,8 +143,16 @@ def validate(spec: TrialSpec) -> None:
         raise ScheduleError("a chaos trial needs at least 3 workers (a removal must leave a majority)")
     if spec.steps < FIRST_FAULT_STEP + TAIL_STEPS:
         raise ScheduleError(f"a chaos trial needs at least {FIRST_FAULT_STEP + TAIL_STEPS} steps")
+    if spec.membership not in MEMBERSHIPS:
+        raise ScheduleError(f"membership {spec.membership!r} is not one of {', '.join(MEMBERSHIPS)}")
+    if spec.membership == "etcd" and spec.hosts > 1:
+        raise ScheduleError("--membership etcd runs its etcd cluster on the root namespace's loopback, which other "
+                            "hosts cannot reach: use --hosts 1 with it")
     for f in spec.faults:
-        limit = spec.hosts if f.kind == "partition" else 1 if f.kind == "store" else spec.world_size
+        limit = spec.hosts if f.kind == "partition" else 1 if f.kind == "store" \
+            else ETCD_MEMBERS if f.kind == "etcd" else spec.world_size
+        if f.kind == "etcd" and spec.membership != "etcd":
+            raise ScheduleError(f"{f}: an etcd fault needs the trial's membership in etcd (--membership etcd)")
         if not 0 <= f.slot < limit:
             raise ScheduleError(f"{f}: slot {f.slot} is not in [0, {limit})")
         if f.kind == "partition" and (spec.hosts < 2 or f.slot == 0):
@@ -143,7 +164,7 @@ def validate(spec: TrialSpec) -> None:
             if (f.slot2 is None or f.kind2 not in DOUBLE_PARTS or f.slot2 == f.slot
                     or not 0 <= f.slot2 < spec.world_size):
                 raise ScheduleError(f"{f}: a double needs slot2 != slot and kind2 in {DOUBLE_PARTS}")
-        timed = ("stop_short", "stop_long", "slow", "partition", "store")
+        timed = ("stop_short", "stop_long", "slow", "partition", "store", "etcd")
         if f.kind in timed and (f.duration is None or f.duration <= 0):
             raise ScheduleError(f"{f}: needs a positive duration")
 
@@ -175,19 +196,25 @@ def draw_fault(rng: random.Random, kind: str, at_step: int, world_size: int, hb:
         return Fault(kind, rng.randrange(1, hosts), at_step, round(rng.uniform(2.0, 3.5) * hb, 3))
     if kind == "store":
         return Fault(kind, 0, at_step, round(rng.uniform(0.3, 1.5), 3))
+    if kind == "etcd":
+        return Fault(kind, rng.randrange(ETCD_MEMBERS), at_step, round(rng.uniform(0.5, 3.0), 3))
     return Fault(kind, slot, at_step)
 
 
-def available_kinds(hosts: int, partition_ok: bool) -> tuple[str, ...]:
-    return tuple(k for k in KINDS if k != "partition" or (hosts > 1 and partition_ok))
+def available_kinds(hosts: int, partition_ok: bool, membership: str = "tcp") -> tuple[str, ...]:
+    """The kinds a trial can draw: ``partition`` with several hosts, ``store`` (the coordinator
+    TCPStore holding the membership) with ``tcp``, ``etcd`` (one of three members) with ``etcd``."""
+    return tuple(k for k in KINDS if (k != "partition" or (hosts > 1 and partition_ok))
+                 and (k != "store" or membership == "tcp") and (k != "etcd" or membership == "etcd"))
 
 
 def draw(seed: int, *, world_size: int = 4, steps: int = 150, heartbeat_timeout: float = 0.75, hosts: int = 1,
-         kinds: Optional[tuple[str, ...]] = None, max_faults: int = 2, **spec_kwargs: Any) -> TrialSpec:
+         kinds: Optional[tuple[str, ...]] = None, max_faults: int = 2, membership: str = "tcp",
+         **spec_kwargs: Any) -> TrialSpec:
     """The trial of ``seed``: 1..``max_faults`` faults at steps far enough apart that the job
     recovers from one before the next (a ``double`` is the at-once case)."""
     rng = random.Random(seed)
-    kinds = kinds or available_kinds(hosts, False)
+    kinds = kinds or available_kinds(hosts, False, membership)
     count = rng.randint(1, max_faults)
     last = steps - TAIL_STEPS
     span = max((last - FIRST_FAULT_STEP) // count, 1)
@@ -200,7 +227,7 @@ def draw(seed: int, *, world_size: int = 4, steps: int = 150, heartbeat_timeout:
     seen: set[str] = set()
     faults = [f for f in faults if f.kind not in ("die_vote", "die_send") or not (f.kind in seen or seen.add(f.kind))]
     spec = TrialSpec(seed, faults, world_size=world_size, steps=steps, heartbeat_timeout=heartbeat_timeout,
-                     hosts=hosts, **spec_kwargs)
+                     hosts=hosts, membership=membership, **spec_kwargs)
     validate(spec)
     return spec
 

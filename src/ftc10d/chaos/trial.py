@@ -4,12 +4,15 @@ The job runs through :class:`ftc10d.launch.Launcher` exactly as under ``ftc10d
 launch`` (one launcher per host; host 0's hosts the coordinator), with warm
 spares. Faults are injected from this process: signals to a slot's worker pid
 (``Launcher.kill``), the job's ``die`` option armed at launch, a link of a network
-namespace taken down. The driver loop is a single thread ticking every 10 ms:
-it tails the workers' event files for the job's progress and fires each fault
-when its step is committed, plus the timed halves (SIGCONT, duty cycles, heal).
+namespace taken down, a member of the trial's own etcd cluster SIGKILLed and restarted
+(``--membership etcd``: each trial starts three on loopback, data dirs in its folder).
+The driver loop is a single thread ticking every 10 ms: it tails the workers' event
+files for the job's progress and fires each fault when its step is committed, plus the
+timed halves (SIGCONT, duty cycles, heal, etcd restart).
 
 After the job, whatever happened: every stopped process is resumed, links are
-restored, launchers closed; then :mod:`ftc10d.chaos.checks` judges the event
+restored, launchers closed, the etcd cluster (after a check that a restarted member
+rejoined it) stopped; then :mod:`ftc10d.chaos.checks` judges the event
 files, the membership chain and the machine (leftover processes, /dev/shm,
 ports). A trial is *survived* when it has no violation.
 """
@@ -29,8 +32,9 @@ from typing import Any, Callable, Optional
 
 from ftc10d.chaos import checks
 from ftc10d.chaos.coordinator import CoordinatorProcess
+from ftc10d.chaos.etcd import EtcdCluster
 from ftc10d.chaos.netns import Hosts
-from ftc10d.chaos.schedule import Fault, TrialSpec, hosts_of
+from ftc10d.chaos.schedule import ETCD_MEMBERS, Fault, TrialSpec, hosts_of
 from ftc10d.demo.driver import Tail  # new complete JSON lines of a folder's *.jsonl, as the demo tails them
 
 logger = logging.getLogger("ftc10d")
@@ -101,6 +105,7 @@ class Trial:
         self.timers: list[tuple[float, Callable[[], None]]] = []
         self.net = Hosts(spec.hosts)
         self.coord: Optional[CoordinatorProcess] = None
+        self.etcd: Optional[EtcdCluster] = None
         self.notes: list[str] = []
         self.killed: set[int] = set()
         self.t_close = float("inf")
@@ -130,6 +135,11 @@ class Trial:
                                             self.spec.heartbeat_timeout, {"PYTHONPATH": pythonpath})
             self.coord.start()
             address = self.coord.address
+        endpoints: Optional[list[str]] = None
+        if self.spec.membership == "etcd":
+            self.etcd = EtcdCluster(ETCD_MEMBERS, base=str(self.folder / "etcd"))
+            self.etcd.start()
+            endpoints = self.etcd.endpoints
         for host in range(self.spec.hosts):
             slots = [s for s, h in enumerate(self.host_of) if h == host]
             opts = {"out": str(self.folder), "trial": self.trial_id, "steps": self.spec.steps,
@@ -141,7 +151,8 @@ class Trial:
                 env["GLOO_SOCKET_IFNAME"] = self.net.ifname_of(host)
             cfg = LaunchConfig(
                 script=JOB, nproc_per_node=len(slots), spares=self.spec.spares if host == 0 else 0,
-                max_restarts=10, coordinator=address, host=self.net.ip_of(0) if self.spec.hosts > 1 else "127.0.0.1",
+                max_restarts=10, coordinator=address, membership_endpoints=endpoints,
+                host=self.net.ip_of(0) if self.spec.hosts > 1 else "127.0.0.1",
                 heartbeat_timeout=self.spec.heartbeat_timeout, min_members=min(MIN_MEMBERS, len(slots)), env=env,
                 log_dir=str(self.folder / "logs" / f"host{host}"), python=self.net.python_for(host, self.folder),
             )
@@ -186,10 +197,12 @@ class Trial:
     def _inject(self, inj: Injected) -> bool:
         """Fire ``inj``'s fault now if its target is there; False to try again next tick."""
         f, now = inj.fault, time.time()
-        targets = [f.slot, f.slot2] if f.kind == "double" else [] if f.kind in ("partition", "die_vote", "store") \
-            else [f.slot]
+        targets = [f.slot, f.slot2] if f.kind == "double" else [] \
+            if f.kind in ("partition", "die_vote", "store", "etcd") else [f.slot]
         if any(self._pid(s) is None for s in targets if s is not None):
             return False
+        if f.kind == "etcd" and not self._etcd_whole(f.slot):
+            return False  # one of three at a time: a second one down would take the quorum away
         inj.t_fault = now
         hb = self.spec.heartbeat_timeout
         if f.kind in ("kill", "die_send"):
@@ -217,6 +230,16 @@ class Trial:
             assert self.coord is not None
             self.coord.kill()
             self._at(now + (f.duration or 1.0), lambda: self._restart_store(inj))
+        elif f.kind == "etcd":
+            assert self.etcd is not None
+            node = self.etcd.nodes[f.slot]
+            leader = self.etcd.leader()
+            self.notes.append(f"{f}: etcd member {f.slot} was "
+                              + ("the leader" if leader == f.slot else "unknown (no status)" if leader is None
+                                 else f"a follower (leader: member {leader})"))
+            inj.pids = [node.proc.pid] if node.proc is not None else []
+            self.etcd.kill(f.slot)
+            self._at(now + (f.duration or 1.0), lambda: self._restart_etcd(inj))
         elif f.kind == "partition":
             self.net.cut(f.slot)
             inj.pids = [p for s, h in enumerate(self.host_of) if h == f.slot and (p := self._pid(s)) is not None]
@@ -234,6 +257,17 @@ class Trial:
     def _restart_store(self, inj: Injected) -> None:
         assert self.coord is not None
         self.coord.start()
+        inj.t_end = time.time()
+
+    def _etcd_whole(self, slot: int) -> bool:
+        """Every etcd member but ``slot`` is up and healthy: an earlier etcd fault's member
+        restarted and caught up (else the trial waits, like a fault whose slot is empty)."""
+        assert self.etcd is not None
+        return all(self.etcd.healthy(i) for i in range(len(self.etcd.nodes)) if i != slot)
+
+    def _restart_etcd(self, inj: Injected) -> None:
+        assert self.etcd is not None
+        self.etcd.restart(inj.fault.slot)
         inj.t_end = time.time()
 
     def _heal(self, inj: Injected, host: int) -> None:
@@ -306,7 +340,9 @@ class Trial:
                         first = waiting_since.setdefault(id(inj), time.monotonic())
                         if time.monotonic() - first < RETARGET_S:
                             break
-                        inj.skipped = f"no live worker in the slot for {RETARGET_S:g} s"
+                        inj.skipped = (f"an earlier etcd fault's member was not healthy again for {RETARGET_S:g} s"
+                                       if inj.fault.kind == "etcd" else
+                                       f"no live worker in the slot for {RETARGET_S:g} s")
                     pending.pop(0)
                 for launcher in self.launchers:
                     self.pids.update(launcher.spare_pids())
@@ -326,6 +362,11 @@ class Trial:
                     break
                 time.sleep(TICK_S)
             chain = self._read_chain()
+            if self.etcd is not None:
+                try:  # the restarted member must be back in the cluster (a trial's last fault may be recent)
+                    self.etcd.wait_healthy(timeout=15.0)
+                except RuntimeError as exc:
+                    violations.append(f"the etcd cluster is not whole again after the trial: {exc}"[:1000])
         except Exception as exc:
             logger.exception("chaos: trial %s failed to run", spec.seed)
             violations.append(f"the trial could not run: {type(exc).__name__}: {exc}")
@@ -345,6 +386,9 @@ class Trial:
             if self.coord is not None:
                 self.coord.close()
                 self.pids.update(self.coord.pids)
+            if self.etcd is not None:
+                self.etcd.stop()
+                self.pids.update(self.etcd.pids)
             self.net.close()
         duration = time.time() - self.t0
         events = checks.read_events(self.events_dir)
@@ -373,21 +417,24 @@ class Trial:
             violations.append(f"leaked /dev/shm entries: {leaked}")
         if other:
             self.notes.append(f"new /dev/shm entries not attributable to the trial: {other[:5]}")
-        if coordinator_port is not None and coordinator_port in checks.listening_ports():
+        listening = checks.listening_ports()
+        if coordinator_port is not None and coordinator_port in listening:
             violations.append(f"the coordinator's port {coordinator_port} is still listening")
+        if self.etcd is not None and set(self.etcd.ports) & listening:
+            violations.append(f"etcd ports still listening: {sorted(set(self.etcd.ports) & listening)}")
         if checks.own_listening_sockets() > sockets_before:
             violations.append("the chaos runner holds more listening sockets than before the trial")
         return TrialResult(spec, checks.condense(violations), injected, duration, rc, self.notes, str(self.folder),
                            checks.coverage(events))
 
     def _read_chain(self) -> Optional[dict[int, list[str]]]:
-        """epoch -> member ids of every configuration, from the coordinator (before it closes)."""
-        from ftc10d.membership import Agreement, TCPMembershipStore
+        """epoch -> member ids of every configuration, from the membership store (the coordinator
+        or etcd, before it closes)."""
+        from ftc10d.membership import Agreement
         from ftc10d.membership.records import Signer
 
         try:
-            host, _, port = self.launchers[0].coordinator_address.rpartition(":")
-            ag = Agreement(TCPMembershipStore(host, int(port)), Signer(None))
+            ag = Agreement(self.launchers[0].membership_store(), Signer(None))
             latest = ag.latest()
             if latest is None:
                 return None
@@ -396,6 +443,7 @@ class Trial:
                 cfg = ag.read_config(ep)
                 if cfg is not None:
                     chain[ep] = list(cfg.members)
+            ag.store.close()
             return chain
         except Exception as exc:
             self.notes.append(f"could not read the membership chain: {exc}")

@@ -39,6 +39,8 @@ class LaunchConfig:
     spares: int = 0
     max_restarts: int = 3
     coordinator: Optional[str] = None
+    #: etcd client URLs: membership lives there (the coordinator store keeps the group's rendezvous).
+    membership_endpoints: Optional[list[str]] = None
     host: str = "127.0.0.1"
     port: int = 0
     nnodes: int = 1
@@ -96,6 +98,16 @@ class LaunchConfig:
             if self.port:
                 raise InvalidOptionError("--port only applies to the embedded coordinator; drop it or drop "
                                          "--coordinator")
+        if self.membership_endpoints is not None:
+            from ftc10d.train.bootstrap import parse_endpoints
+
+            parse_endpoints(self.membership_endpoints)
+            try:
+                import etcd3gw  # noqa: F401
+            except ImportError:
+                raise InvalidOptionError("--membership-endpoints needs the etcd client: pip install 'ftc10d[etcd]' "
+                                         "(etcd3gw), or drop the option to keep membership in the coordinator "
+                                         "store") from None
         if not self.host:
             raise InvalidOptionError("--host must be an address to bind, e.g. 127.0.0.1 or 0.0.0.0")
         if not self.heartbeat_timeout > 0:

@@ -13,7 +13,15 @@ from typing import Mapping, Optional
 
 from ftc10d.launch.config import LaunchConfig
 from ftc10d.membership.records import TOKEN_ENV
-from ftc10d.train.bootstrap import COORDINATOR_ENV, HEARTBEAT_ENV, LAUNCH_ID_ENV, MIN_MEMBERS_ENV
+from ftc10d.train.bootstrap import (
+    COORDINATOR_ENV,
+    HEARTBEAT_ENV,
+    LAUNCH_ID_ENV,
+    MEMBERSHIP_ENDPOINTS_ENV,
+    MEMBERSHIP_PREFIX_ENV,
+    MIN_MEMBERS_ENV,
+    parse_endpoints,
+)
 
 #: Restarts of the slot so far (torchrun's TORCHELASTIC_RESTART_COUNT, under our name too).
 RESTART_ENV = "FTC10D_RESTART_COUNT"
@@ -32,6 +40,11 @@ def base_env(config: LaunchConfig, environ: Optional[Mapping[str, str]] = None) 
     env.update(config.env)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if config.membership_endpoints is not None:  # job-wide: a spare pre-imports the etcd client for it
+        env[MEMBERSHIP_ENDPOINTS_ENV] = ",".join(parse_endpoints(config.membership_endpoints))
+    else:  # one inherited from the launcher's own environment would split the job's membership
+        env.pop(MEMBERSHIP_ENDPOINTS_ENV, None)
+        env.pop(MEMBERSHIP_PREFIX_ENV, None)
     return env
 
 
@@ -43,8 +56,10 @@ def worker_env(
     coordinator: str,
     launch_id: str,
     environ: Optional[Mapping[str, str]] = None,
+    membership_prefix: Optional[str] = None,
 ) -> dict[str, str]:
-    """The full environment of the worker of slot ``local_rank`` after ``restart`` restarts."""
+    """The full environment of the worker of slot ``local_rank`` after ``restart`` restarts.
+    ``membership_prefix``: the job's etcd key prefix (with ``config.membership_endpoints``)."""
     host, _, port = coordinator.rpartition(":")
     env = base_env(config, environ)
     env.update({
@@ -63,6 +78,8 @@ def worker_env(
         HEARTBEAT_ENV: repr(float(config.heartbeat_timeout)),
         MIN_MEMBERS_ENV: str(config.effective_min_members),
     })
+    if config.membership_endpoints is not None and membership_prefix:
+        env[MEMBERSHIP_PREFIX_ENV] = membership_prefix
     token = config.effective_token
     if token:
         env[TOKEN_ENV] = token

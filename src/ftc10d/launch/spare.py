@@ -91,7 +91,11 @@ def warm_up(script: str) -> tuple[list[str], list[str]]:
     Returns ``(imported, skipped)``."""
     sys.path[0:1] = [os.path.dirname(os.path.abspath(script))]
     imported, skipped = [], []
-    for name in list(BASE_MODULES) + scan_imports(script):
+    # The etcd client (etcd3gw, requests) when the job's membership is there: the launcher sets
+    # the variable for spares too (it does not depend on the slot). The name is
+    # ftc10d.train.bootstrap.MEMBERSHIP_ENDPOINTS_ENV, spelled out: importing it imports torch.
+    etcd = ["ftc10d.membership.etcd", "etcd3gw"] if os.environ.get("FTC10D_MEMBERSHIP_ENDPOINTS") else []
+    for name in list(BASE_MODULES) + etcd + scan_imports(script):
         try:
             importlib.import_module(name)
             imported.append(name)

@@ -19,7 +19,10 @@ no orphans. Each child also leads its own process group, so that shutdown
 reaches whatever the worker itself started.
 
 The launcher hosts the membership coordinator (``ftc10d.membership.tcp
-.Coordinator``) unless given one, so the store outlives any worker.
+.Coordinator``) unless given one, so the store outlives any worker. With
+``membership_endpoints`` the membership lives in etcd instead (the coordinator
+store then only serves the group's rendezvous and the handle keys), and exits
+are reported there: the same backend, and the same key prefix, as the workers'.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ DEFAULT_GRACE_S = 5.0
 MAX_SPARE_FAILURES = 3
 #: Poll period when pidfds are unavailable (waitpid polling).
 _FALLBACK_POLL_S = 0.005
+
+#: Coordinator-store key of the job's etcd prefix (set by the first launcher of the job).
+MEMBERSHIP_PREFIX_KEY = "ftc10d/launch/membership_prefix"
 
 #: spare.py, run by its path for a cold start (``-m ftc10d.launch.spare`` would import torch first).
 _SPARE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spare.py")
@@ -157,6 +163,7 @@ class Launcher:
         self._address: Optional[str] = None
         self._agreement: Any = None
         self._store: Any = None  # raw TCPStore client: the workers' handle keys
+        self._membership_prefix: Optional[str] = None  # etcd only: the job's key prefix
         self._slots: list[_Slot] = []
         self._spares: list[_Proc] = []
         self._spare_failures = 0
@@ -201,6 +208,14 @@ class Launcher:
     @property
     def launch_id(self) -> str:
         return self._launch_id
+
+    def membership_store(self) -> Any:
+        """A new client of the job's membership backend (etcd or the coordinator store),
+        e.g. to read the chain of configurations."""
+        from ftc10d.train.bootstrap import membership_store
+
+        host, port = parse_address(self.coordinator_address)
+        return membership_store(host, port, tuple(self.config.membership_endpoints or ()), self._membership_prefix)
 
     @property
     def events(self) -> list[LaunchEvent]:
@@ -258,6 +273,8 @@ class Launcher:
         if self._coordinator is not None:
             self._coordinator.close()
             self._coordinator = None
+        if self._agreement is not None and self.config.membership_endpoints is not None:
+            self._agreement.store.close()  # etcd's HTTP sessions (a TCP agreement shares the coordinator's)
         self._store = None
         for fd in (self._wake_r, self._wake_w):
             try:
@@ -284,8 +301,10 @@ class Launcher:
 
         cfg = self.config
         token = cfg.effective_token
+        etcd = cfg.membership_endpoints is not None
         if cfg.coordinator is None:
-            self._coordinator = Coordinator(cfg.host, cfg.port, token=token, detect=True,
+            # With etcd, the coordinator store holds no membership to watch: members watch each other.
+            self._coordinator = Coordinator(cfg.host, cfg.port, token=token, detect=not etcd,
                                             heartbeat_timeout=cfg.heartbeat_timeout).start()
             host = self._coordinator.host
             connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
@@ -300,6 +319,20 @@ class Launcher:
             self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                         timeout=timedelta(seconds=30))
             logger.info("launcher %s: using coordinator %s", self._launch_id, cfg.coordinator)
+        if etcd:
+            self._membership_prefix = self._agree_prefix()
+            self._agreement = Agreement(self.membership_store(), Signer(token))
+            logger.info("launcher %s: membership in etcd %s", self._launch_id, self._agreement.store.describe())
+
+    def _agree_prefix(self) -> str:
+        """The job's etcd key prefix: the first launcher to ask proposes one of its own, the
+        others (every node's launcher shares the coordinator store) adopt it. A fresh prefix per
+        job keeps a rerun from finding the last run's configuration (its members all gone, no
+        majority left to change it) in a cluster that outlives jobs."""
+        from ftc10d.membership.etcd import DEFAULT_PREFIX
+
+        mine = f"{DEFAULT_PREFIX}{self._launch_id}/"
+        return bytes(self._store.compare_set(MEMBERSHIP_PREFIX_KEY, "", mine)).decode()
 
     def _report_exit(self, proc: _Proc) -> None:
         """Name the dead worker to the membership at once (a confirmed removal)."""
@@ -348,7 +381,7 @@ class Launcher:
         """Start ``slot``'s worker: promote a spare if there is one (ready ones first), else cold."""
         cfg = self.config
         env = worker_env(cfg, local_rank=slot.index, restart=slot.restarts, coordinator=self.coordinator_address,
-                         launch_id=self._launch_id)
+                         launch_id=self._launch_id, membership_prefix=self._membership_prefix)
         spare = self._take_spare()
         if spare is not None:
             out, err = self._log_names(slot.index, slot.restarts)

@@ -14,9 +14,9 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Optional, Sequence, Union
 
-from ftc10d.membership import Member, ReconnectingTCPStore, TCPMembershipStore
+from ftc10d.membership import Member, MembershipStore, ReconnectingTCPStore, TCPMembershipStore
 from ftc10d.membership.records import TOKEN_ENV
 from ftc10d.pg import ProcessGroup
 from ftc10d.types import InvalidOptionError
@@ -29,6 +29,45 @@ COORDINATOR_ENV = "FTC10D_COORDINATOR"
 LAUNCH_ID_ENV = "FTC10D_LAUNCH_ID"
 HEARTBEAT_ENV = "FTC10D_HEARTBEAT_TIMEOUT"
 MIN_MEMBERS_ENV = "FTC10D_MIN_MEMBERS"
+#: Comma-separated etcd endpoints (``ftc10d launch --membership-endpoints``): membership lives
+#: there instead of in the coordinator store, which then only serves the group's rendezvous.
+MEMBERSHIP_ENDPOINTS_ENV = "FTC10D_MEMBERSHIP_ENDPOINTS"
+#: The job's key prefix in etcd (agreed by the job's launchers), so that jobs sharing a cluster,
+#: or a rerun of the same job, never read each other's configurations.
+MEMBERSHIP_PREFIX_ENV = "FTC10D_MEMBERSHIP_PREFIX"
+
+
+def parse_endpoints(value: Union[str, Sequence[str]], what: str = "--membership-endpoints") -> tuple[str, ...]:
+    """``"http://h1:2379,http://h2:2379"`` (or a list of them) -> the endpoints, each checked to
+    be ``http(s)://host:port``; InvalidOptionError naming ``what`` otherwise. Checked here, before
+    any process starts, because a bad endpoint would only show as workers that never get admitted."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    endpoints = tuple(str(e).strip().rstrip("/") for e in items if str(e).strip())
+    if not endpoints:
+        raise InvalidOptionError(f"{what} is empty; give the etcd cluster's client URLs, e.g. "
+                                 "http://10.0.0.1:2379,http://10.0.0.2:2379,http://10.0.0.3:2379")
+    for ep in endpoints:
+        scheme, sep, rest = ep.partition("://")
+        host, colon, port = rest.rpartition(":")
+        if scheme not in ("http", "https") or not sep or not host.strip("[]") or not colon or not port.isdigit() \
+                or not 0 < int(port) < 65536:
+            raise InvalidOptionError(f"{what}: {ep!r} is not an etcd client URL; give http://HOST:PORT "
+                                     "(comma-separated, e.g. http://127.0.0.1:2379,http://127.0.0.1:22379)")
+    if len(set(endpoints)) != len(endpoints):
+        raise InvalidOptionError(f"{what} names an endpoint twice: {', '.join(endpoints)}")
+    return endpoints
+
+
+def membership_store(host: str, port: int, endpoints: tuple[str, ...] = (),
+                     prefix: Optional[str] = None) -> MembershipStore:
+    """The membership backend of a job: etcd when ``endpoints`` are given, else the
+    coordinator's TCPStore at ``host:port``. The launcher and its workers both build
+    theirs here, so that an exit the launcher reports lands where the workers look."""
+    if endpoints:
+        from ftc10d.membership import EtcdMembershipStore
+
+        return EtcdMembershipStore(list(endpoints), **({"prefix": prefix} if prefix else {}))
+    return TCPMembershipStore(host, port)
 
 
 def handle_key(launch_id: str, pid: int) -> str:
@@ -48,6 +87,12 @@ class WorkerEnv:
     launch_id: Optional[str]
     heartbeat_timeout: float
     min_members: int
+    membership_endpoints: tuple[str, ...] = ()
+    membership_prefix: Optional[str] = None
+
+    def membership_store(self) -> MembershipStore:
+        """etcd if the launcher named endpoints, else the coordinator store."""
+        return membership_store(self.host, self.port, self.membership_endpoints, self.membership_prefix)
 
     @classmethod
     def from_environ(cls, environ: Optional[dict[str, str]] = None) -> "WorkerEnv":
@@ -73,7 +118,10 @@ class WorkerEnv:
             raise InvalidOptionError(f"malformed launcher environment: {exc}") from exc
         if world < 1 or not 0 <= rank < world:
             raise InvalidOptionError(f"RANK={rank} is not in [0, WORLD_SIZE={world})")
-        return cls(host.strip("[]"), int(port), rank, world, env.get(LAUNCH_ID_ENV), hb, min_members)
+        raw = env.get(MEMBERSHIP_ENDPOINTS_ENV, "")
+        endpoints = parse_endpoints(raw, MEMBERSHIP_ENDPOINTS_ENV) if raw.strip() else ()
+        return cls(host.strip("[]"), int(port), rank, world, env.get(LAUNCH_ID_ENV), hb, min_members, endpoints,
+                   env.get(MEMBERSHIP_PREFIX_ENV) or None)
 
 
 def init_from_env(
@@ -87,6 +135,8 @@ def init_from_env(
     """Create this worker's group, join the membership and wait to be admitted.
 
     Returns ``(pg, member)`` with ``pg`` configured on the member's configuration.
+    The group's rendezvous uses the coordinator store; membership uses it too, or etcd
+    when the launcher set ``$FTC10D_MEMBERSHIP_ENDPOINTS``.
     ``RANK``/``WORLD_SIZE`` only shape the *first* configuration (it waits for
     ``WORLD_SIZE`` members); ranks in later ones follow membership order.
     """
@@ -101,7 +151,7 @@ def init_from_env(
     if env.launch_id:
         base.set(handle_key(env.launch_id, os.getpid()), handle)
     member = Member(
-        TCPMembershipStore(env.host, env.port),
+        env.membership_store(),
         handle,
         token=token if token is not None else os.environ.get(TOKEN_ENV),
         heartbeat_timeout=hb,

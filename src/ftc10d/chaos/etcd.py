@@ -1,30 +1,31 @@
-"""Real etcd servers for the tests: one node, or a cluster on loopback (or across
-network namespaces the test made). Data lives on tmpfs, so Raft's fsyncs are cheap
-on a 2-core CI machine. Every process started here is killed by ``stop()``.
+"""Real etcd servers: one node, or a cluster on loopback (or across network namespaces
+the caller made), for ``ftc10d chaos --membership etcd`` and the tests.
+
+Kept in the package (not under ``tests/``) so that ``ftc10d chaos`` runs from an
+installed package. Data lives on tmpfs unless ``base`` says otherwise, so Raft's
+fsyncs are cheap on a 2-core CI machine. A member can be SIGKILLed (:meth:`EtcdCluster.kill`)
+and started again on its own data dir (:meth:`EtcdCluster.restart`): it rejoins the
+cluster as the same member. Every process started here is killed by ``stop()``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-import requests
+from ftc10d.chaos.coordinator import free_port
+
+logger = logging.getLogger("ftc10d")
 
 ETCD = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
 SKIP_REASON = "etcd is not installed (Debian: apt-get install etcd-server; `make test` installs it when run as root)"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -50,32 +51,61 @@ class Node:
 
 class EtcdCluster:
     """``n`` etcd nodes. ``hosts[i]`` is node i's address (default loopback);
-    ``netns[i]`` runs node i inside that network namespace."""
+    ``netns[i]`` runs node i inside that network namespace. ``base``: the folder of the
+    data dirs and logs (created; removed by :meth:`stop`), a fresh one on tmpfs by default."""
 
     def __init__(self, n: int = 1, *, hosts: Optional[list[str]] = None, netns: Optional[dict[int, str]] = None,
-                 extra_client_hosts: Optional[dict[int, list[str]]] = None) -> None:
-        assert ETCD is not None, SKIP_REASON
+                 extra_client_hosts: Optional[dict[int, list[str]]] = None, base: Optional[str] = None) -> None:
+        if ETCD is None:
+            raise RuntimeError(SKIP_REASON)
         hosts = hosts or ["127.0.0.1"] * n
         netns = netns or {}
         extra = extra_client_hosts or {}
-        self.base = tempfile.mkdtemp(prefix="ftc10d-etcd-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        if base is None:
+            base = tempfile.mkdtemp(prefix="ftc10d-etcd-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        else:
+            os.makedirs(base, exist_ok=True)
+        self.base = base
+        self.pids: set[int] = set()  # every etcd process ever started (a trial's leak check)
         self.nodes: list[Node] = []
         for i in range(n):
             # Ports are picked in the root namespace; the loopback of a fresh namespace has them all free.
-            self.nodes.append(Node(f"n{i}", hosts[i], free_port(), hosts[i], free_port(), netns.get(i),
-                                   extra.get(i, [])))
+            self.nodes.append(Node(f"n{i}", hosts[i], free_port("127.0.0.1"), hosts[i], free_port("127.0.0.1"),
+                                   netns.get(i), extra.get(i, [])))
         self.token = os.path.basename(self.base)
 
     @property
     def endpoints(self) -> list[str]:
         return [n.endpoint for n in self.nodes]
 
+    @property
+    def ports(self) -> list[int]:
+        """Every client and peer port of the cluster (closed again after :meth:`stop`)."""
+        return [p for n in self.nodes for p in (n.client_port, n.peer_port)]
+
+    @property
+    def _initial(self) -> str:
+        return ",".join(f"{n.name}={n.peer_url}" for n in self.nodes)
+
     def start(self, timeout: float = 30.0) -> "EtcdCluster":
-        initial = ",".join(f"{n.name}={n.peer_url}" for n in self.nodes)
-        for node in self.nodes:
-            self._spawn(node, initial, "new")
-        self.wait_healthy(timeout)
+        try:
+            for node in self.nodes:
+                self._spawn(node, self._initial, "new")
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
         return self
+
+    def restart(self, i: int) -> None:
+        """Start node ``i`` again (after :meth:`kill`) on its own data dir: etcd reads its member
+        id and the cluster from there (the ``--initial-*`` flags are ignored), so it rejoins as
+        the same member and catches up from the leader. Returns at once; it is healthy later."""
+        node = self.nodes[i]
+        if node.proc is not None and node.proc.poll() is None:
+            raise RuntimeError(f"etcd node {i} ({node.name}) is still running; kill() it first")
+        self._spawn(node, self._initial, "new")
+        logger.info("etcd node %s restarted on %s (pid %d)", node.name, node.data_dir, node.proc.pid)  # type: ignore
 
     def _spawn(self, node: Node, initial: str, state: str) -> None:
         node.data_dir = os.path.join(self.base, node.name)
@@ -95,6 +125,7 @@ class EtcdCluster:
         log = open(os.path.join(self.base, f"{node.name}.log"), "ab")
         node.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
         log.close()
+        self.pids.add(node.proc.pid)
 
     def _healthy(self, node: Node) -> bool:
         if node.netns:
@@ -104,10 +135,34 @@ class EtcdCluster:
             if out is None:
                 return node.proc is not None and node.proc.poll() is None
             return '"health":"true"' in out.stdout
+        import requests  # the etcd extra's dependency: only needed once a cluster runs
+
         try:
             return requests.get(node.endpoint + "/health", timeout=1).json().get("health") == "true"
         except Exception:
             return False
+
+    def healthy(self, i: int) -> bool:
+        """Node ``i`` answers ``/health`` as healthy (it is up and the cluster has a leader)."""
+        return self._healthy(self.nodes[i])
+
+    def leader(self) -> Optional[int]:
+        """The index of the Raft leader, as the first node that answers says; None if none answers
+        (loopback nodes only). What a killed member was matters: a follower's loss costs nothing,
+        a leader's costs an election (``--election-timeout``) during which no write commits."""
+        import requests
+
+        status: list[Optional[dict]] = []
+        for node in self.nodes:
+            try:
+                status.append(requests.post(node.endpoint + "/v3/maintenance/status", json={}, timeout=1).json())
+            except Exception:
+                status.append(None)
+        ids = [None if st is None else st.get("header", {}).get("member_id") for st in status]
+        for st in status:
+            if st is not None and st.get("leader") in ids:
+                return ids.index(st["leader"])
+        return None
 
     def wait_healthy(self, timeout: float = 30.0, nodes: Optional[list[int]] = None) -> None:
         deadline = time.monotonic() + timeout
@@ -130,12 +185,14 @@ class EtcdCluster:
             return ""
 
     def kill(self, i: int) -> None:
+        """SIGKILL node ``i`` (its process group) and reap it."""
         proc = self.nodes[i].proc
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
 
     def stop(self) -> None:
+        """Kill every node and remove ``base`` (data dirs and logs). Idempotent."""
         for i in range(len(self.nodes)):
             try:
                 self.kill(i)
