@@ -141,8 +141,8 @@ class Guards:
             except CollectiveError:
                 pass  # a send's buffer is only read: nothing to guard
         self._sends = []
-        with self._lock:
-            ops, self.inflight = self.inflight, []
+        with self._lock:  # they stay in flight (seen by the abort hook) until they were waited
+            ops = list(self.inflight)
         taken: list[Snapshot] = []
         raised = completed_at_cut = running = 0
         for op in ops:
@@ -164,6 +164,8 @@ class Guards:
                     self._violation(op, f"wait() returned although the op was pending when its configuration was "
                                         f"aborted, and the tensor holds {op.tensor.tolist()} (expected all "
                                         f"{op.expected:g})")
+        with self._lock:
+            self.inflight = []
         if taken:
             self.snapshots += taken
             uuids = sorted({str(s.op.uuid) for s in taken})
