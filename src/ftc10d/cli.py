@@ -225,7 +225,8 @@ def coordinator(args: argparse.Namespace) -> int:
     arg("--heartbeat-timeout", type=float, default=1.0, metavar="SECONDS",
         help="a member whose heartbeat is silent this long is removed (default: 1)"),
     arg("--min-members", type=int, default=None, metavar="M",
-        help="never form a configuration smaller than this (default: 1)"),
+        help="never form a configuration smaller than this, at most the job's world size (default: 1 on one "
+             "node, a majority of nnodes x nproc-per-node on several)"),
     arg("--log-dir", default=None, metavar="DIR",
         help="write each worker's stdout/stderr to DIR/worker<slot>.<restart>.out|.err (default: inherit)"),
     arg("script", help="the training script (a Python file); it calls ftc10d.train.init_from_env()"),

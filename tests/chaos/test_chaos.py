@@ -46,6 +46,9 @@ def test_short_fixed_seed_chaos_run_has_no_violation(tmp_path: Path) -> None:
     assert summary["trials"] == TRIALS and summary["survived"] == TRIALS
     assert sum(summary["faults_by_kind"].values()) >= 3, summary
     assert all(v is not None for v in summary["worst_stall_s_by_kind"].values()), summary
+    # Invariant 2 under the faults: guard tensors of aborted configurations were snapshotted and rechecked.
+    assert summary["coverage"].get("guard_snapshots", 0) > 0 and summary["coverage"].get("guard_checks", 0) > 0, \
+        summary
     records = sorted((out / "trials").glob("*.json"))
     assert len(records) == TRIALS and all(json.loads(r.read_text())["survived"] for r in records)
 

@@ -185,3 +185,30 @@ def test_summary_counts_etcd_faults_by_kind() -> None:
                                Injected(spec.faults[1], t_fault=5.0, stall_s=0.5)], 20.0, 0)
     s = summarize([r], "ftc10d chaos --membership etcd")
     assert s["faults_by_kind"] == {"etcd": 1, "kill": 1} and s["worst_stall_s_by_kind"] == {"etcd": 0.3, "kill": 0.5}
+
+
+def test_guard_checks_without_a_stale_write_are_clean_and_counted() -> None:
+    events = good_run() + [
+        ev(1, "guard_abort", 3.1, step=3, uuids=["7"], snapshots=2, pending=2, raised=2, completed_at_cut=0,
+           still_running=0),
+        ev(1, "guard_check", 3.5, when="reconfigured", checked=2, changed=0),
+        ev(1, "guard_check", 6.0, when="steps", checked=2, changed=0),
+        ev(1, "guard_check", 99.5, when="exit", checked=2, changed=0),
+    ]
+    assert checks.check_guards(events) == []
+    cov = checks.coverage(events)
+    assert (cov["guard_snapshots"], cov["guard_waits_raised"], cov["guard_checks"]) == (2, 2, 6)
+
+
+def test_a_guard_written_after_the_abort_returned_is_a_violation() -> None:
+    events = good_run() + [
+        ev(2, "guard_abort", 3.1, step=3, uuids=["7"], snapshots=1, pending=1, raised=1, completed_at_cut=0,
+           still_running=0),
+        ev(2, "guard_violation", 3.5, op="recv", step=3, uuid="7",
+           error="its tensor changed after the abort of its configuration returned (checked reconfigured)"),
+        ev(2, "guard_check", 3.5, when="reconfigured", checked=1, changed=1),
+    ]
+    problems = checks.check_guards(events)
+    assert len(problems) == 1 and "pid 2" in problems[0] and "changed after the abort" in problems[0]
+    assert "invariant 2" in problems[0]
+    assert checks.coverage(events)["guard_checks"] == 1

@@ -51,6 +51,35 @@ def test_a_good_config_validates() -> None:
                  min_members=8).validate()
 
 
+@pytest.mark.parametrize("changes", [
+    {"nproc_per_node": 2, "min_members": 3},
+    {"nproc_per_node": 1, "nnodes": 3, "node_rank": 1, "coordinator": "10.0.0.1:29400", "min_members": 4},
+])
+def test_min_members_above_the_jobs_world_size_is_rejected(changes: dict) -> None:
+    config = LaunchConfig(script=SCRIPT, **changes)
+    with pytest.raises(InvalidOptionError) as info:
+        config.validate()
+    assert "more than the job can ever have" in str(info.value) and f"give at most {config.world_size}" in str(
+        info.value)
+
+
+def test_min_members_may_exceed_the_nodes_slots_in_a_multi_node_job() -> None:
+    LaunchConfig(script=SCRIPT, nproc_per_node=1, nnodes=3, node_rank=2, coordinator="10.0.0.1:29400",
+                 min_members=3).validate()
+
+
+@pytest.mark.parametrize("nnodes, nproc, expected", [(1, 1, 1), (1, 4, 1), (2, 1, 2), (2, 2, 3), (3, 1, 2),
+                                                     (4, 2, 5)])
+def test_default_min_members_is_one_on_one_node_and_a_majority_on_several(nnodes: int, nproc: int,
+                                                                           expected: int) -> None:
+    config = LaunchConfig(script=SCRIPT, nproc_per_node=nproc, nnodes=nnodes, node_rank=nnodes - 1,
+                          coordinator=None if nnodes == 1 else "10.0.0.1:29400")
+    config.validate()
+    assert config.effective_min_members == expected
+    env = worker_env(config, local_rank=0, restart=0, coordinator="10.0.0.1:29400", launch_id="x", environ={})
+    assert env["FTC10D_MIN_MEMBERS"] == str(expected)
+
+
 def test_worker_env_is_torchrun_compatible_and_parsed_by_the_bootstrap() -> None:
     config = LaunchConfig(script=SCRIPT, nproc_per_node=4, nnodes=2, node_rank=1, heartbeat_timeout=0.5,
                           min_members=3, token="s3cret", env={"EXTRA": "1"})

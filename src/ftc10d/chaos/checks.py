@@ -17,6 +17,12 @@ chain a member, once removed, is never in a later configuration (also across a
 store restart, from the members' own events); every commit's member was in the
 configuration of its epoch.
 
+Invariant 2 (``check_guards``): the job keeps guard ops in flight through every step
+(:mod:`ftc10d.chaos.guard`) and checks them itself, where the tensors live: no guard
+tensor of an aborted configuration changed after its abort returned, no guard op was
+still running then, no pending guard wait reported a torn result as a success. Each
+breach is a ``guard_violation`` event, reported here.
+
 One lineage (``check_lineage``): steps committed in a later configuration never go
 below those of an earlier one, which catches two groups training apart.
 """
@@ -169,11 +175,21 @@ def condense(problems: list[str], per_kind: int = 3) -> list[str]:
     return out
 
 
+def check_guards(events: list[dict[str, Any]]) -> list[str]:
+    """Invariant 2, from the job's own guard checks: every ``guard_violation`` is a problem."""
+    return [f"pid {e['pid']}: guard {e.get('op')} of step {e.get('step')} (configuration {e.get('uuid')}): "
+            f"{e.get('error')} (invariant 2)" for e in events if e["kind"] == "guard_violation"]
+
+
 def coverage(events: list[dict[str, Any]]) -> dict[str, int]:
     """What the trial exercised (so a clean trial can be told from one where nothing happened):
     states received, members fenced, fenced processes that committed again as a new member,
-    suicides in the vote or while sending state, steps not committed."""
-    out = {"recovered": 0, "fenced": 0, "rejoined_and_committed": 0, "suicides": 0, "aborted_steps": 0}
+    suicides in the vote or while sending state, steps not committed; for invariant 2, guard
+    tensors snapshotted after an abort returned (``guard_snapshots``), guard ops pending at an
+    abort whose wait raised (``guard_waits_raised``) and snapshot comparisons made later
+    (``guard_checks``)."""
+    out = {"recovered": 0, "fenced": 0, "rejoined_and_committed": 0, "suicides": 0, "aborted_steps": 0,
+           "guard_snapshots": 0, "guard_waits_raised": 0, "guard_checks": 0}
     for evs in by_pid(events).values():
         fenced = False
         counted = False
@@ -191,6 +207,11 @@ def coverage(events: list[dict[str, Any]]) -> dict[str, int]:
                 out["suicides"] += 1
             elif k == "aborted":
                 out["aborted_steps"] += 1
+            elif k == "guard_abort":
+                out["guard_snapshots"] += int(e.get("snapshots", 0))
+                out["guard_waits_raised"] += int(e.get("raised", 0))
+            elif k == "guard_check":
+                out["guard_checks"] += int(e.get("checked", 0))
     return out
 
 

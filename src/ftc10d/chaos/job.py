@@ -12,7 +12,9 @@ nothing already written and the files outlive the coordinator store:
   ``recovered`` (with the fingerprint of the received state) / ``sent_state`` /
   ``aborted_step`` / ``fenced`` (with the member id that was fenced);
 - ``final`` (state_hash) at the last step, ``left`` if it was out of the job (fenced,
-  or left out of a re-formed configuration) when the others finished, ``exit``.
+  or left out of a re-formed configuration) when the others finished, ``exit``;
+- ``guard_abort`` / ``guard_check`` / ``guard_violation``: invariant 2 under the trial's
+  faults, from guard ops kept in flight through every step (:mod:`ftc10d.chaos.guard`).
 
 Options come as JSON in ``$FTC10D_CHAOS_OPTS``: ``out``, ``trial``, ``steps``,
 ``interval``, ``world`` and ``rank_base`` (a trial with several hosts runs one
@@ -43,6 +45,7 @@ import torch.distributed as dist
 import torch.nn.parallel  # noqa: F401
 from torch import nn
 
+from ftc10d.chaos.guard import Guards
 from ftc10d.train import ManagedOptimizer, Manager, init_from_env
 
 OPTS_ENV = "FTC10D_CHAOS_OPTS"
@@ -73,13 +76,14 @@ class EventLog:
         os.write(self._fd, (json.dumps(rec, default=str) + "\n").encode())
 
 
-def suicide_hook(manager: Manager, die: dict[str, Any], claim: Callable[[str], bool], log: EventLog) -> Any:
+def suicide_hook(manager: Manager, die: dict[str, Any], claim: Callable[[str], bool], log: EventLog,
+                 guards: Optional[Guards] = None) -> Any:
     """A pre-hook that SIGKILLs this process as it issues a state-transfer send (``op: send``)
     or its commit-vote all-reduce (``op: vote``), once ``manager.step >= after_step``, if it
-    wins the trial-wide claim for that op."""
+    wins the trial-wide claim for that op. A guard send is not a state transfer: left alone."""
 
     def hook(args: Any) -> None:
-        if manager.step < die["after_step"]:
+        if manager.step < die["after_step"] or (guards is not None and guards.issuing):
             return
         name = str(args.name).lower().replace("_", "")
         hit = (die["op"] == "send" and name.endswith("send")) or (
@@ -185,26 +189,35 @@ def main() -> int:
 
     threading.Thread(target=watch_finish, name="chaos-finish-watch", daemon=True).start()
 
+    guards = Guards(pg, log.emit)
+
     def on_event(kind: str, info: dict[str, Any]) -> None:
         extra: dict[str, Any] = {"member": manager.member.id, "epoch_now": manager.epoch}
         if kind == "recovered":
             extra["fp"] = manager.fingerprint()
         log.emit(kind, **info, **extra)
+        if kind == "reconfigured":
+            guards.check("reconfigured")
 
     manager.add_listener(on_event)
     ddp = manager.ddp(model)
     die = opts.get("die", {}).get(str(slot))
     if die:
         claim_prefix = f"chaos/{opts['trial']}/"
-        pg.register_pre_hook(7, suicide_hook(manager, die, lambda k: _claim(control, claim_prefix + k), log))
+        pg.register_pre_hook(7, suicide_hook(manager, die, lambda k: _claim(control, claim_prefix + k), log,
+                                                 guards))
     opt = ManagedOptimizer(manager, optim)
     steps = int(opts["steps"])
     interval = float(opts.get("interval", 0.0))
     while manager.step < steps:
         opt.zero_grad()
+        # Guard ops in flight through the step (invariant 2): outputs no training tensor uses.
+        guards.issue(manager.step)
         x, y = batch_for(manager.step, manager.rank, manager.world_size)
         loss = nn.functional.cross_entropy(ddp(x), y)
         loss.backward()
+        guards.send(manager.step)
+        guards.settle(manager.step, manager.note_failure)
         if opt.step():
             log.emit("commit", step=manager.step, fp=manager.fingerprint(), member=manager.member.id,
                      epoch=manager.epoch, uuid=pg.uuid, world_size=manager.world_size)
@@ -213,6 +226,7 @@ def main() -> int:
         if interval:
             time.sleep(interval)
     done.set()
+    guards.check("exit")
     log.emit("final", step=manager.step, hash=manager.state_hash(), member=manager.member.id)
     # Stay until every member of the last configuration finished, so that one leaving early
     # does not look like a failure to the others' last step.

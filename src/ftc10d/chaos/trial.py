@@ -400,6 +400,7 @@ class Trial:
         violations += checks.check_fencing(events, chain,
                                            store_restarted=any(i.fault.kind == "store" and i.t_fault for i in injected))
         violations += checks.check_lineage(events)
+        violations += checks.check_guards(events)
         for inj in pending:
             if inj.skipped is None:
                 inj.skipped = "never injected (the job ended or hung first)"

@@ -59,7 +59,14 @@ class LaunchConfig:
 
     @property
     def effective_min_members(self) -> int:
-        return 1 if self.min_members is None else self.min_members
+        """``--min-members``, else the default: 1 on one node (its launcher runs the whole job
+        and sees every exit, and a job should survive losing all but one worker), a majority
+        of the job's world size on several nodes. There a node cut off from the others (or a
+        straggler rejoining after they left) must never form a configuration of its own and
+        train on apart: only one side of a split can hold a majority."""
+        if self.min_members is not None:
+            return self.min_members
+        return 1 if self.nnodes == 1 else self.world_size // 2 + 1
 
     @property
     def effective_token(self) -> Optional[str]:
@@ -115,9 +122,15 @@ class LaunchConfig:
         if self.min_members is not None and self.min_members < 1:
             raise InvalidOptionError(f"--min-members must be at least 1 (got {self.min_members})")
         if self.min_members is not None and self.min_members > self.world_size:
-            # Not an error: other launchers (e.g. one per host against one coordinator) may bring the rest.
-            logger.warning("launch: --min-members %d is more than this launcher's %d slot(s): the job forms only "
-                           "once other launchers' workers joined", self.min_members, self.world_size)
+            # The job can never have more members than slots (a replacement takes its slot's place,
+            # a spare joins only when promoted into a slot): no configuration would ever form.
+            raise InvalidOptionError(
+                f"--min-members {self.min_members} is more than the job can ever have: {self.world_size} worker(s) "
+                f"(--nnodes {self.nnodes} x --nproc-per-node {self.nproc_per_node}), so no configuration would ever "
+                f"form; give at most {self.world_size}, or count the other nodes' workers with --nnodes")
+        if self.nnodes > 1 and self.effective_min_members > self.nproc_per_node:
+            logger.info("launch: min_members %d is more than this node's %d slot(s): the job forms once other "
+                        "nodes' workers joined", self.effective_min_members, self.nproc_per_node)
         if self.token is not None and not self.token:
             raise InvalidOptionError("the job token is empty; unset it or give a non-empty one")
         for key, value in self.env.items():

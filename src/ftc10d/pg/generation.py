@@ -275,6 +275,11 @@ class Generation:
         deadline = time.monotonic() + ABORT_DRAIN_TIMEOUT.total_seconds()
         while self._pending:
             inner, entry = self._pending.popleft()
+            if inner.is_completed():
+                # Done: it can write nothing more. And Gloo's send/recv works must not be waited
+                # twice: a second wait() blocks until the op's timeout (found by the chaos guards).
+                _settle(inner, entry)
+                continue
             left = deadline - time.monotonic()
             if left <= 0:
                 logger.error("abort of %s: ops still running after %s", self.label, ABORT_DRAIN_TIMEOUT)
