@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import ftc10d
 from ftc10d import _compat
+from ftc10d.membership.tcp import ReconnectingTCPStore
 from tests import harness
 
 T = timedelta(seconds=20)
@@ -243,6 +244,46 @@ def test_abort_gives_a_pending_rendezvous_up_on_every_member() -> None:
         waited, total = res[r]
         assert waited < 10, f"rank {r} waited {waited:.1f} s: the rendezvous was not given up"
         assert total == 3.0
+
+
+class _SlowCloneStore(ReconnectingTCPStore):
+    """A store whose second connection takes seconds to open, as one TCPStore connect in
+    about 28 does on the chaos machine (a 5-s resolver stall inside torch's client)."""
+
+    def clone(self) -> "_SlowCloneStore":
+        time.sleep(4.0)
+        return _SlowCloneStore(self._host, self._port, self._timeout)
+
+
+def _abandon_slow_clone(rank: int, world: int, port: int) -> tuple:
+    import threading
+
+    store = _SlowCloneStore("127.0.0.1", port, timedelta(seconds=60))
+    pg = ftc10d.ProcessGroup(store, rank, world, timeout=T)
+    handles = harness.exchange(store, "h", rank, pg.get_reconfigure_handle(), world)
+    if rank == 0:
+        # Alone in the rendezvous of uuid 9: the others went straight to uuid 10 (they
+        # adopted the newer configuration first). Its membership moves on and aborts it.
+        threading.Timer(0.5, pg.abort).start()
+        t0 = time.monotonic()
+        with pytest.raises(ftc10d.ReconfigureAbandonedError):
+            ftc10d.reconfigure(9, handles, group=pg)
+        waited = time.monotonic() - t0
+    else:
+        waited = 0.0
+    ftc10d.reconfigure(10, handles, group=pg)
+    return waited, _sum_of_ranks(pg)
+
+
+def test_abort_gives_a_pending_rendezvous_up_without_waiting_for_a_new_store_connection() -> None:
+    """Chaos long run, die_send seed 1612815966 (4.6 s stall): the member waiting alone in a
+    superseded rendezvous woke only when its tombstones landed, and they are written on a
+    fresh store connection; one slow connect stalled the whole job. The waiter itself must
+    give up as soon as its group is aborted."""
+    res = harness.run(_abandon_slow_clone, 3)
+    waited, total = res[0]
+    assert waited < 2.0, f"rank 0 waited {waited:.1f} s in a rendezvous it had given up"
+    assert all(res[r][1] == 3.0 for r in range(3))
 
 
 def _after_kill(rank: int, world: int, port: int) -> tuple:

@@ -372,12 +372,14 @@ class PendingRendezvous:
         self.store = store
         self.plan = plan
         self.keys = rank_keys(plan)
+        self.why = ""
         self.abandoned = threading.Event()
 
     def abandon(self, why: str) -> None:
         """Give the rendezvous up (idempotent; returns at once)."""
         if self.abandoned.is_set():
             return
+        self.why = why
         self.abandoned.set()
         threading.Thread(target=self._tombstone, args=(why,), name="ftc10d-abandon", daemon=True).start()
 
@@ -394,6 +396,40 @@ class PendingRendezvous:
             except Exception as exc:
                 logger.warning("rendezvous %d: could not give up slot %s: %s", self.plan.uuid, key, exc)
                 return
+
+
+#: While a rendezvous waits, how often it looks whether its own member gave it up.
+ABANDON_POLL_S = 0.25
+
+
+def _wait_unless_abandoned(store: dist.Store, keys: list[str], plan: Plan,
+                           pending: Optional[PendingRendezvous]) -> None:
+    """``store.wait(keys, plan.timeout)``; if this member gives the rendezvous up meanwhile,
+    it writes the tombstones itself on this connection (free between two short waits) and
+    returns, and the caller reads them. The abandoning thread writes them too, but on a new
+    store connection, and a connect can take seconds (one in about 28 stalls 5 s on the
+    chaos machine, a resolver wait inside torch's client): the whole job, waiting for this
+    member in the next rendezvous, would wait that out with it. Slots already taken keep
+    their member (``compare_set``), so the members still all connect, or none does."""
+    if pending is None:
+        store.wait(keys, plan.timeout)
+        return
+    deadline = time.monotonic() + plan.timeout.total_seconds()
+    while True:
+        if pending.abandoned.is_set():
+            for key in keys:
+                store.compare_set(key, "", f"{ABANDONED}|{pending.why}")
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            store.wait(keys, timedelta(milliseconds=1))  # the store's own timeout error unless all arrived
+            return
+        try:
+            store.wait(keys, timedelta(seconds=min(ABANDON_POLL_S, left)))
+            return
+        except Exception as exc:
+            if "timeout" not in str(exc).lower():
+                raise
 
 
 def _abandoned(plan: Plan, values: list[str]) -> Optional[ReconfigureAbandonedError]:
@@ -432,7 +468,7 @@ def rendezvous(
                 "all members must be given the same ordered handles"
             )
         try:
-            store.wait(keys, plan.timeout)
+            _wait_unless_abandoned(store, keys, plan, pending)
         except Exception as exc:
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
             raise ReconfigureTimeoutError(
