@@ -29,6 +29,7 @@ from ftc10d.types import (
     HookOpName,
     InvalidHandleError,
     InvalidOptionError,
+    JobFinished,
     MembershipError,
     MembershipTimeoutError,
     MissingHandleError,
@@ -114,6 +115,7 @@ __all__ = [
     "Fenced",
     "MembershipTimeoutError",
     "StateLostError",
+    "JobFinished",
     "StoreUnavailableError",
     "__version__",
 ]

@@ -422,5 +422,20 @@ class StateLostError(MembershipError):
     throw the job's progress away; restore from a checkpoint or restart the job."""
 
 
+class JobFinished(MembershipError):
+    """The job finished while this process was out of it: the members that held its most
+    advanced committed state closed (``Manager.close()``) at that step, and this process
+    (a fenced member rejoining, or a replacement started late) holds an older state or
+    none. There is nothing left to train and nobody to catch up from: exit with status 0.
+
+    ``step`` is the step the job finished at; ``held`` the step this process holds (-1:
+    none)."""
+
+    def __init__(self, message: str, *, step: int = -1, held: int = -1) -> None:
+        super().__init__(message)
+        self.step = step
+        self.held = held
+
+
 class StoreUnavailableError(MembershipError, ConnectionError):
     """The membership store could not be reached (all endpoints tried)."""

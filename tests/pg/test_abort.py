@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from datetime import timedelta
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -242,3 +243,60 @@ def test_aborting_after_waited_send_and_recv_does_not_wait_them_again() -> None:
     must skip works that completed (it took the drain timeout, 10 s, before)."""
     res = harness.run(_p2p_then_reconfigure, 2)
     assert all(s < 5.0 for s in res.values()), res
+
+
+def _op_the_cut_cannot_reach(rank: int, world: int, port: int) -> dict:
+    store = harness.client_store(port)
+    pg = ftc10d.ProcessGroup(store, rank, world, timeout=timedelta(seconds=60))
+    harness.store_barrier(store, "ready", rank, world)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # the test kills it, stopped
+        time.sleep(300)
+    # Gloo leaves a send queued on a connection its peer had already closed waiting out the
+    # op's timeout (the frozen side of a SIGSTOP, resumed after the others aborted: about 1
+    # demo run in 7 here). That race cannot be provoked on demand; its effect can: the cut
+    # reaches nothing, so the ops below stay blocked on the stopped peer inside Gloo.
+    gen = pg.generation
+    assert gen is not None
+    gen.comm.shutdown_pairs = lambda: 0  # type: ignore[method-assign]
+    fut = pg.allreduce([torch.ones(N)]).get_future()  # what DDP's reducer waits on
+    waited = pg.allreduce([torch.ones(N)])  # waited directly
+    raised: dict[str, tuple[str, float]] = {}
+
+    def wait_for(name: str, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+            raised[name] = ("completed", time.perf_counter())
+        except Exception as e:  # noqa: BLE001 - recorded for the assertions
+            # A future's error reaches Python as torch's RuntimeError carrying our typed message.
+            kind = type(e).__name__
+            raised[name] = ("ProcessGroupAborted" if "ProcessGroupAborted" in str(e) else kind, time.perf_counter())
+
+    threads = [threading.Thread(target=wait_for, args=("future", fut.wait)),
+               threading.Thread(target=wait_for, args=("wait", waited.wait))]
+    for th in threads:
+        th.start()
+    time.sleep(0.3)
+    blocked = not fut.done() and not waited.is_completed()
+    t0 = time.perf_counter()
+    pg.abort()
+    t_abort = time.perf_counter() - t0
+    for th in threads:
+        th.join(30)
+    return {"blocked": blocked, "abort_call": t_abort, "raised": {k: v[0] for k, v in raised.items()},
+            "latency": {k: v[1] - t0 for k, v in raised.items()}, "completed": waited.is_completed()}
+
+
+def test_an_op_the_abort_cannot_cut_is_abandoned_and_its_waits_fail() -> None:
+    """An op still running in Gloo after the cut (it can move no more data once its
+    connections are gone) must not hold the caller for the op's timeout (60 s here): the
+    abort abandons it after its drain bound, and its future and wait() raise then."""
+    job = harness.start(_op_the_cut_cannot_reach, 2)
+    try:
+        res = job.collect([0], timeout=90)[0]
+    finally:
+        job.close()
+    assert res["blocked"], "the ops must be blocked on the stopped peer before the abort"
+    assert res["raised"] == {"future": "ProcessGroupAborted", "wait": "ProcessGroupAborted"}, res
+    assert res["abort_call"] < 15.0 and max(res["latency"].values()) < 15.0, res  # op timeout: 60 s
+    assert res["completed"], "an abandoned op counts as completed (failed)"

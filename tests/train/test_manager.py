@@ -169,15 +169,42 @@ def _late_worker_finds_the_state_lost(coordinator: Coordinator, first: Job, matc
 
 
 def test_a_straggler_after_everyone_left_does_not_train_the_job_again(coordinator: Coordinator) -> None:
-    """The job finished and every worker left (the last one's leave waits in the pending
-    record: it cannot leave a configuration below min_members); a late worker is admitted
-    alone, holds nothing, and the job is recorded at step 5: StateLostError, nothing committed."""
+    """The job finished and every worker closed at step 5; a late worker is admitted alone
+    and holds nothing: JobFinished at once (the holders left on purpose, nobody will come
+    back: waiting ``sync_timeout`` for them would only hang the launcher), nothing committed."""
     first = start(train_worker, 2, coordinator.address, {"steps": 5})
     try:
         assert all(r["steps"] == 5 for r in first.collect(timeout=120).values())
-        _late_worker_finds_the_state_lost(coordinator, first, "StateLostError: no member of epoch .*step 5")
+        late = start(train_worker, 1, coordinator.address, {"steps": 10, "sync_timeout": 300.0}, store=first.store)
+        try:
+            with pytest.raises(AssertionError, match="JobFinished: the job finished at step 5 .*hold nothing"):
+                late.collect(timeout=60)  # far below sync_timeout: it did not wait for a holder
+        finally:
+            late.close()
+        assert not first.store.check([f"fp/1/{late.pid(0)}"]) and not first.store.check([f"fp/6/{late.pid(0)}"])
     finally:
         first.close()
+
+
+def test_a_member_frozen_until_the_job_finished_leaves_when_it_resumes(coordinator: Coordinator) -> None:
+    """Rank 2 is SIGSTOPped, removed, and the other two finish and close at step 30 while it
+    is stopped. On SIGCONT it finds itself fenced, rejoins alone, holds an older step than
+    the job's last one: JobFinished well within sync_timeout, and it committed nothing more."""
+    steps, hb = 30, 0.5
+    job = start(train_worker, 3, coordinator.address,
+                {"steps": steps, "interval": 0.01, "hb": hb, "finishers": 2, "sync_timeout": 300.0})
+    try:
+        wait_progress(job, 0, 5)
+        job.signal(2, signal.SIGSTOP)
+        frozen_at = progress(job.store, job.pid(2))
+        done = job.collect([0, 1], timeout=120)
+        assert all(r["steps"] == steps for r in done.values())
+        job.signal(2, signal.SIGCONT)
+        with pytest.raises(AssertionError, match=f"JobFinished: the job finished at step {steps} "):
+            job.collect([2], timeout=60)
+    finally:
+        job.close()
+    assert progress(job.store, job.pid(2)) == frozen_at, "the straggler committed after it was removed"
 
 
 def test_bad_manager_options_are_rejected() -> None:

@@ -144,6 +144,9 @@ class JobState:
         elif kind == "fenced":
             w.status = "rejoining"
             self.note(t, f"slot {w.slot} (pid {w.pid}) resumed and found itself fenced: rejoining")
+        elif kind == "left":
+            w.status = "done"
+            self.note(t, f"slot {w.slot} (pid {w.pid}) left: the job finished while it was out of it")
         elif kind == "final":
             w.status = "done"
         elif kind == "exit":

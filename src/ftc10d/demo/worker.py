@@ -31,6 +31,7 @@ import torch.nn.parallel  # noqa: F401
 
 from ftc10d.demo.model import batch_for, loss_fn, make_student, make_teacher
 from ftc10d.train import ManagedOptimizer, Manager, init_from_env
+from ftc10d.types import JobFinished
 
 
 class EventLog:
@@ -115,7 +116,11 @@ def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) ->
             log.emit("left", step=manager.step, reason="the job finished before this worker (re)joined")
             return _exit(log, manager)
         t0 = time.time()
-        opt.zero_grad()
+        try:
+            opt.zero_grad()
+        except JobFinished as exc:  # fenced or replaced, and the others finished meanwhile
+            log.emit("left", step=manager.step, reason=str(exc))
+            return _exit(log, manager)
         t1 = time.time()
         x, y = batch_for(teacher, manager.step, manager.rank, manager.world_size)
         loss = loss_fn(ddp(x), y)

@@ -51,8 +51,10 @@ logger = logging.getLogger("ftc10d")
 
 KEY_ROOT = "ftc10d"
 #: How long an abort waits for the generation's ops to drain after its sockets are cut.
-#: They fail within milliseconds; the bound only guards against a backend bug.
-ABORT_DRAIN_TIMEOUT = timedelta(seconds=10)
+#: They fail within milliseconds. One that is still running after this is abandoned (see
+#: ``Generation._drain``): Gloo leaves a send waiting out its timeout when the peer had
+#: closed the connection before this process sent (the frozen side of a SIGSTOP).
+ABORT_DRAIN_TIMEOUT = timedelta(seconds=2)
 _PEER_ERROR_MARKERS = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused",
                        "Read error", "Write error", "EOF")
 
@@ -101,39 +103,47 @@ class Generation:
         self.on_error: Optional[Callable[[CollectiveError], None]] = None
         #: (pg name, desc) of this generation in flight-recorder dumps, set by the recorder.
         self.fr_info: Optional[tuple[str, str]] = None
-        self._pending: deque[tuple[Any, Optional[OpRecord]]] = deque()
+        #: (backend work, flight-recorder entry, ftc10d Work or None) of the ops in flight.
+        self._pending: deque[tuple[Any, Optional[OpRecord], Any]] = deque()
         self._lock = threading.Lock()
         self._aborting_thread: Optional[int] = None
         self._abort_done = threading.Event()
 
     # ------------------------------------------------------------------ data path
 
-    def track(self, inner: Any, entry: Optional[OpRecord] = None) -> None:
-        """Remember a backend work until it completes, so abort can drain it; a
-        completion noticed here is reported to the op's record."""
+    def track(self, inner: Any, entry: Optional[OpRecord] = None, work: Any = None) -> None:
+        """Remember a backend work until it completes, so abort can drain it (and abandon
+        ``work``, the ftc10d Work over it, if the backend never finishes it); a completion
+        noticed here is reported to the op's record."""
         pending = self._pending
         # Completed works hold their tensors: let them go as soon as possible.
         while pending and pending[0][0].is_completed():
-            _settle(*pending.popleft())
-        pending.append((inner, entry))
+            _settle(*pending.popleft()[:2])
+        pending.append((inner, entry, work))
         if len(pending) > 64:  # a long-running op at the front blocks front pruning
-            keep: deque[tuple[Any, Optional[OpRecord]]] = deque()
+            keep: deque[tuple[Any, Optional[OpRecord], Any]] = deque()
             for item in pending:
                 if item[0].is_completed():
-                    _settle(*item)
+                    _settle(*item[:2])
                 else:
                     keep.append(item)
             self._pending = keep
 
     def has_pending(self) -> bool:
         """Whether any op of this generation is still running."""
-        return any(not inner.is_completed() for inner, _ in list(self._pending))
+        return any(not inner.is_completed() for inner, _, _ in list(self._pending))
 
     def poll(self) -> None:
         """Report completions of pending works to their records (for a dump)."""
-        for inner, entry in list(self._pending):
+        for inner, entry, _ in list(self._pending):
             if entry is not None and not entry.settled and inner.is_completed():
                 _settle(inner, entry)
+
+    def wait_aborted(self) -> None:
+        """Return once this generation's abort (started by its first failure, maybe on
+        another thread) is complete; at once when called from the aborting thread (a hook)."""
+        if self._aborting_thread != threading.get_ident():
+            self._abort_done.wait()
 
     def aborted_error(self, op: str, seq: int) -> ProcessGroupAborted:
         return ProcessGroupAborted(
@@ -272,25 +282,47 @@ class Generation:
             threading.Thread(target=_release, args=(backend,), name="ftc10d-retire", daemon=True).start()
 
     def _drain(self) -> None:
+        """Wait for the ops in flight, whose connections were just cut, to fail; abandon
+        those still running at ``ABORT_DRAIN_TIMEOUT``.
+
+        An op still running then waits in Gloo for something its cut (or already closed)
+        connections can never deliver: Gloo does not wake a send queued on a pair whose peer
+        had closed it first, and that send waits out the op's whole timeout (the frozen
+        member of a SIGSTOP, resumed after the others aborted, is the usual case). With no
+        connection left it can move no more data, so it cannot write into a user tensor:
+        its Work's waits and futures fail now with ``ProcessGroupAborted`` (the caller
+        goes on to reconfigure), and Gloo's thread gives it up at its timeout, unseen."""
         deadline = time.monotonic() + ABORT_DRAIN_TIMEOUT.total_seconds()
+        abandoned = 0
         while self._pending:
-            inner, entry = self._pending.popleft()
+            inner, entry, work = self._pending.popleft()
             if inner.is_completed():
                 # Done: it can write nothing more. And Gloo's send/recv works must not be waited
                 # twice: a second wait() blocks until the op's timeout (found by the chaos guards).
                 _settle(inner, entry)
                 continue
             left = deadline - time.monotonic()
-            if left <= 0:
-                logger.error("abort of %s: ops still running after %s", self.label, ABORT_DRAIN_TIMEOUT)
-                return
             try:
-                inner.wait(timedelta(seconds=left))
-                if entry is not None:
-                    entry.complete()
+                if left > 0:
+                    inner.wait(timedelta(seconds=left))
+                    if entry is not None:
+                        entry.complete()
+                    continue
             except Exception:
-                if entry is not None:  # failing is what we expect of them
-                    entry.fail("aborted")
+                if inner.is_completed():
+                    if entry is not None:  # failing is what we expect of them
+                        entry.fail("aborted")
+                    continue
+            # Still running at the deadline (wait() raised "timed out" without completing it).
+            abandoned += 1
+            if entry is not None:
+                entry.fail("aborted")
+            if work is not None:
+                work.abandon(self.aborted_error(work.op, work.seq))
+        if abandoned:
+            logger.warning("abort of %s: %d op(s) still running in the backend %s after their connections were "
+                           "cut; abandoned (their waits and futures fail now; with no connection left they can "
+                           "move no more data)", self.label, abandoned, ABORT_DRAIN_TIMEOUT)
 
 
 def _settle(inner: Any, entry: Optional[OpRecord]) -> None:

@@ -422,8 +422,8 @@ class ProcessGroup(dist.ProcessGroup):
                 # Gloo validates arguments with RuntimeError: bad input, the configuration is fine.
                 raise InvalidOptionError(f"{op}: the backend rejected the arguments: {exc}") from exc
             raise gen.on_failure(op, seq, exc, abort_inline=True) from exc  # connection broken at issue time
-        gen.track(inner, entry)
         work = Work(gen, op, seq, inner, result, entry)
+        gen.track(inner, entry, work)
         if self._post_hooks.fns:
             self._post_hooks.fire(make_post_hook_args(hook_name, async_op, work, op_id))
         return work

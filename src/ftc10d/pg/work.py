@@ -6,6 +6,12 @@ every op of that configuration fail at once, and the failure is translated
 here into :class:`~ftc10d.types.ProcessGroupAborted`. A first failure of any
 other kind (timeout, peer gone) aborts the configuration, so that the other
 pending ops fail just as fast instead of each waiting out its own timeout.
+
+The one op the cut does not wake (a Gloo send queued on a connection the peer had
+already closed) is abandoned by the abort (``Generation._drain``): its future, and a
+``wait()`` that is waiting on it, fail then instead of at the backend's timeout. That
+is why a collective's ``wait()`` waits on this Work's own future when the op is still
+running; send/recv have no backend future and keep the backend's wait.
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ if TYPE_CHECKING:
     from ftc10d.pg.observer import OpRecord
 
 
+#: Ops whose backend works have no future (``Work::getFuture not implemented``): Gloo's
+#: send/recv, and whatever else is found to lack one (learnt at the first try).
+_NO_BACKEND_FUTURE = {"send", "recv", "recv_anysource"}
+
+
 class Work(dist.Work):
     """A pending op of one configuration (generation)."""
 
@@ -39,6 +50,11 @@ class Work(dist.Work):
         self._inner = inner
         self._result = result
         self._error: Optional[CollectiveError] = None
+        self._lock = threading.Lock()
+        #: The future handed out (one per Work), completed by the backend's or by abandon().
+        self._fut: Optional[torch.futures.Future] = None
+        self._gate: Optional[torch.futures.Future] = None
+        self._fut_set = False
 
     # -- introspection used by hooks and the flight recorder
     @property
@@ -63,8 +79,24 @@ class Work(dist.Work):
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         if self._error is not None:
             raise self._error
+        untimed = timeout is None or timeout == timedelta(0)
+        if untimed and self._op not in _NO_BACKEND_FUTURE and not self._inner.is_completed():
+            # Through the future, which an abort that abandons the op completes too.
+            try:
+                fut = self.get_future()
+            except RuntimeError:
+                _NO_BACKEND_FUTURE.add(self._op)
+            else:
+                try:
+                    fut.wait()
+                except Exception as exc:
+                    if self._error is None:  # not ours (cannot happen: _deliver raises only ours)
+                        raise
+                    self._gen.wait_aborted()  # as if it had aborted inline: done when wait() raises
+                    raise self._error from exc
+                return True
         try:
-            if timeout is None or timeout == timedelta(0):
+            if untimed:
                 self._inner.wait()
             else:
                 self._inner.wait(timeout)
@@ -75,26 +107,71 @@ class Work(dist.Work):
         return True
 
     def get_future(self) -> torch.futures.Future:
-        """A future completed with the op's outputs, or with the typed error.
+        """A future completed with the op's outputs, or with the typed error (also when an
+        abort abandons the op).
 
-        The callback runs on a backend thread, where a blocking abort could
-        deadlock (it waits for that very thread), so the abort it triggers runs
-        on a thread of its own.
+        The backend's callback runs on a backend thread, where a blocking abort could
+        deadlock (it waits for that very thread), so the abort it triggers runs on a
+        thread of its own. The error reaches the future by being raised in a ``then()``
+        callback, never by ``set_exception``: C++ waiters (DDP's reducer) rethrow it on
+        threads without the GIL, which only torch's conversion in ``then()`` makes safe.
         """
+        with self._lock:
+            fut = self._fut
+            if fut is not None:
+                return fut
+            gate: torch.futures.Future = torch.futures.Future()
+            fut = self._fut = gate.then(self._deliver)
+            self._gate = gate
+            abandoned = self._fut_set  # abandon() came first
+        if abandoned:
+            gate.set_result(self._error)
+            return fut
+        try:
+            inner_fut = self._inner.get_future()
+        except RuntimeError:  # this backend work has none
+            with self._lock:
+                self._fut = self._gate = None
+            raise
+        inner_fut.then(self._relay)
+        return fut
 
-        def done(fut: torch.futures.Future) -> Any:
-            try:
-                fut.value()
-            except Exception as exc:
-                raise self._translate(exc, abort_inline=False) from exc
-            if self._entry is not None:
-                self._entry.complete()
-            return self._result
+    def _deliver(self, gate: torch.futures.Future) -> Any:
+        outcome = gate.value()
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return self._result
 
-        return self._inner.get_future().then(done)
+    def _relay(self, inner_fut: torch.futures.Future) -> None:
+        try:
+            inner_fut.value()
+        except Exception as exc:
+            self._finish(error=self._translate(exc, abort_inline=False))
+            return
+        if self._entry is not None:
+            self._entry.complete()
+        self._finish()
+
+    def _finish(self, error: Optional[BaseException] = None) -> None:
+        """Open the gate once (the backend and an abandoning abort may race); outside the
+        lock: completing it runs the future's callbacks here."""
+        with self._lock:
+            if self._fut_set:
+                return
+            self._fut_set = True
+            gate = self._gate
+        if gate is not None:
+            gate.set_result(error)
+
+    def abandon(self, error: CollectiveError) -> None:
+        """Fail this op now although the backend still runs it (see the module docstring);
+        called by the abort once the op's connections are cut."""
+        if self._error is None:
+            self._error = error
+        self._finish(error=self._error)
 
     def is_completed(self) -> bool:
-        return bool(self._inner.is_completed())
+        return self._fut_set or bool(self._inner.is_completed())
 
     def is_success(self) -> bool:
         return self._error is None and bool(self._inner.is_success())

@@ -46,6 +46,7 @@ from ftc10d.types import (
     ErrorType,
     Fenced,
     InvalidOptionError,
+    JobFinished,
     MembershipTimeoutError,
     StateLostError,
     StoreUnavailableError,
@@ -166,7 +167,8 @@ class Manager:
         return cur.epoch if cur is not None else 0
 
     def add_listener(self, fn: Listener) -> None:
-        """``fn(kind, info)`` on reconfigured / recovered / sent_state / aborted_step / fenced / rejoined."""
+        """``fn(kind, info)`` on reconfigured / recovered / sent_state / aborted_step / fenced / state_lost /
+        job_finished."""
         self._listeners.append(fn)
 
     def _emit(self, kind: str, **info: Any) -> None:
@@ -382,21 +384,31 @@ class Manager:
         """The most advanced committed step the job is known to have reached (recorded with
         the membership at a process's first commit and when it closes), or -1 if none.
         Read at every recovery (one store read): others may have finished meanwhile."""
+        return self._job_progress()[0]
+
+    def _job_progress(self) -> tuple[int, int]:
+        """(job step, the last step a holder closed at; -1 for none)."""
         try:
             fact = self.member.fact(_FACT) or {}
         except StoreUnavailableError:
-            return -1
-        return int(fact.get("step", 1 if fact.get("committed") else -1))
+            return -1, -1
+        return int(fact.get("step", 1 if fact.get("committed") else -1)), int(fact.get("closed_step", -1))
 
     def _mark_committed(self, final: bool = False) -> None:
         """Record the job's progress (see StateLostError): once per process at its first
-        commit, and its last step when it closes (only ever raised)."""
+        commit, and its last step when it closes (only ever raised). ``closed_step`` says
+        that a holder of that step left on purpose: the job finished there (JobFinished)."""
         if self._committed_marked and not final:
             return
         try:
             fact = self.member.fact(_FACT) or {}
+            body = dict(fact, committed=True)
             if int(fact.get("step", -1)) < self.step:
-                self.member.set_fact(_FACT, {"committed": True, "step": self.step})
+                body["step"] = self.step
+            if final and int(fact.get("closed_step", -1)) < self.step:
+                body["closed_step"] = self.step
+            if body != fact:
+                self.member.set_fact(_FACT, body)
             self._committed_marked = True
         except StoreUnavailableError as exc:
             logger.warning("manager: could not record the job's progress (%s); will retry", exc)
@@ -405,7 +417,19 @@ class Manager:
         """No member here holds the job's most advanced committed state (all fresh, or all
         behind a step the job reached: e.g. a fenced member rejoining alone after the others
         finished). Going on would silently start a second history of the job (from scratch,
-        or from a stale step), so wait for a configuration with a holder, or give up."""
+        or from a stale step), so wait for a configuration with a holder, or give up: at
+        once with JobFinished if the holders closed at that step (they will not be back),
+        after ``sync_timeout`` with StateLostError if they vanished."""
+        closed = self._job_progress()[1]
+        if closed >= job_step >= 0:
+            held_text = "nothing" if held < 0 else f"step {held}"
+            logger.warning("manager: the job finished at step %d while this process was out of it (it holds %s): "
+                           "nothing left to train", job_step, held_text)
+            self._emit("job_finished", epoch=cfg.epoch, job_step=job_step, held=held)
+            raise JobFinished(
+                f"the job finished at step {job_step} while this process was out of it: the members that held "
+                f"that step closed, and the members of epoch {cfg.epoch} hold {held_text}. There is nothing left "
+                "to train: call Manager.close() and exit with status 0", step=job_step, held=held)
         logger.error("manager: no member of epoch %d holds the job's committed state (the job reached step %d, "
                      "the members here hold %s); waiting for a holder instead of training from there",
                      cfg.epoch, job_step, "nothing" if held < 0 else f"step {held}")
