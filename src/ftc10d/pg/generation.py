@@ -303,8 +303,8 @@ class Generation:
                 continue
             left = deadline - time.monotonic()
             try:
-                if left > 0:
-                    inner.wait(timedelta(seconds=left))
+                if left >= 0.001:  # c10d reads a timeout that rounds to 0 ms as "no timeout"
+                    inner.wait(timedelta(milliseconds=int(left * 1000)))
                     if entry is not None:
                         entry.complete()
                     continue

@@ -10,8 +10,8 @@ pending ops fail just as fast instead of each waiting out its own timeout.
 The one op the cut does not wake (a Gloo send queued on a connection the peer had
 already closed) is abandoned by the abort (``Generation._drain``): its future, and a
 ``wait()`` that is waiting on it, fail then instead of at the backend's timeout. That
-is why a collective's ``wait()`` waits on this Work's own future when the op is still
-running; send/recv have no backend future and keep the backend's wait.
+is why a collective's ``wait()`` waits in the backend in 0.25-s slices (free: the op
+usually completes within the first); send/recv keep one plain backend wait.
 """
 
 from __future__ import annotations
@@ -31,9 +31,12 @@ if TYPE_CHECKING:
     from ftc10d.pg.observer import OpRecord
 
 
-#: Ops whose backend works have no future (``Work::getFuture not implemented``): Gloo's
-#: send/recv, and whatever else is found to lack one (learnt at the first try).
-_NO_BACKEND_FUTURE = {"send", "recv", "recv_anysource"}
+#: Gloo's send/recv works: no future (``Work::getFuture not implemented``), and a second
+#: wait() on a completed one blocks until its timeout, so they are waited once.
+_P2P_OPS = frozenset({"send", "recv", "recv_anysource"})
+#: How often a collective's untimed wait() looks whether an abort abandoned its op.
+_WAIT_SLICE = timedelta(seconds=0.25)
+_MIN_TIMEOUT = timedelta(milliseconds=1)
 
 
 class Work(dist.Work):
@@ -80,26 +83,27 @@ class Work(dist.Work):
         if self._error is not None:
             raise self._error
         untimed = timeout is None or timeout == timedelta(0)
-        if untimed and self._op not in _NO_BACKEND_FUTURE and not self._inner.is_completed():
-            # Through the future, which an abort that abandons the op completes too.
-            try:
-                fut = self.get_future()
-            except RuntimeError:
-                _NO_BACKEND_FUTURE.add(self._op)
-            else:
-                try:
-                    fut.wait()
-                except Exception as exc:
-                    if self._error is None:  # not ours (cannot happen: _deliver raises only ours)
-                        raise
-                    self._gen.wait_aborted()  # as if it had aborted inline: done when wait() raises
-                    raise self._error from exc
-                return True
         try:
-            if untimed:
+            if untimed and self._op in _P2P_OPS:
                 self._inner.wait()
+            elif untimed:
+                # In slices, so that an abort that abandons the op releases us within one.
+                # A slice that ends leaves the backend's work untouched (no side effect on a
+                # collective's work; send/recv are waited once, above).
+                while True:
+                    try:
+                        self._inner.wait(_WAIT_SLICE)
+                        break
+                    except Exception:
+                        if self._inner.is_completed():
+                            raise  # the op failed
+                        if self._error is not None:  # abandoned
+                            self._gen.wait_aborted()
+                            raise self._error from None
             else:
-                self._inner.wait(timeout)
+                self._inner.wait(max(timeout, _MIN_TIMEOUT))  # under 1 ms c10d reads "no timeout"
+        except CollectiveError:
+            raise
         except Exception as exc:  # the backend raises RuntimeError/DistBackendError
             raise self._translate(exc, abort_inline=True) from exc
         if self._entry is not None:
