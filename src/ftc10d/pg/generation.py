@@ -54,7 +54,7 @@ KEY_ROOT = "ftc10d"
 #: They fail within milliseconds. One that is still running after this is abandoned (see
 #: ``Generation._drain``): Gloo leaves a send waiting out its timeout when the peer had
 #: closed the connection before this process sent (the frozen side of a SIGSTOP).
-ABORT_DRAIN_TIMEOUT = timedelta(seconds=2)
+ABORT_DRAIN_TIMEOUT = timedelta(seconds=1)
 _PEER_ERROR_MARKERS = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused",
                        "Read error", "Write error", "EOF")
 
