@@ -147,6 +147,8 @@ class Work(dist.Work):
         return self._result
 
     def _relay(self, inner_fut: torch.futures.Future) -> None:
+        if self._fut_set:  # abandoned meanwhile: its record already says so
+            return
         try:
             inner_fut.value()
         except Exception as exc:
