@@ -261,6 +261,7 @@ def _op_the_cut_cannot_reach(rank: int, world: int, port: int) -> dict:
     gen.comm.shutdown_pairs = lambda: 0  # type: ignore[method-assign]
     fut = pg.allreduce([torch.ones(N)]).get_future()  # what DDP's reducer waits on
     waited = pg.allreduce([torch.ones(N)])  # waited directly
+    received = pg.recv([torch.zeros(N)], 1, 3)  # a send/recv: Gloo gives it no future
     raised: dict[str, tuple[str, float]] = {}
 
     def wait_for(name: str, fn: Callable[[], Any]) -> None:
@@ -273,7 +274,8 @@ def _op_the_cut_cannot_reach(rank: int, world: int, port: int) -> dict:
             raised[name] = ("ProcessGroupAborted" if "ProcessGroupAborted" in str(e) else kind, time.perf_counter())
 
     threads = [threading.Thread(target=wait_for, args=("future", fut.wait)),
-               threading.Thread(target=wait_for, args=("wait", waited.wait))]
+               threading.Thread(target=wait_for, args=("wait", waited.wait)),
+               threading.Thread(target=wait_for, args=("recv", received.wait))]
     for th in threads:
         th.start()
     time.sleep(0.3)
@@ -290,13 +292,15 @@ def _op_the_cut_cannot_reach(rank: int, world: int, port: int) -> dict:
 def test_an_op_the_abort_cannot_cut_is_abandoned_and_its_waits_fail() -> None:
     """An op still running in Gloo after the cut (it can move no more data once its
     connections are gone) must not hold the caller for the op's timeout (60 s here): the
-    abort abandons it after its drain bound, and its future and wait() raise then."""
+    abort abandons it after its drain bound, and its future and wait() raise then; a
+    recv's wait() too (chaos long run: a guard's send stuck this way stalled a job 7.8 s)."""
     job = harness.start(_op_the_cut_cannot_reach, 2)
     try:
         res = job.collect([0], timeout=90)[0]
     finally:
         job.close()
     assert res["blocked"], "the ops must be blocked on the stopped peer before the abort"
-    assert res["raised"] == {"future": "ProcessGroupAborted", "wait": "ProcessGroupAborted"}, res
+    assert res["raised"] == {"future": "ProcessGroupAborted", "wait": "ProcessGroupAborted",
+                             "recv": "ProcessGroupAborted"}, res
     assert res["abort_call"] < 15.0 and max(res["latency"].values()) < 15.0, res  # op timeout: 60 s
     assert res["completed"], "an abandoned op counts as completed (failed)"

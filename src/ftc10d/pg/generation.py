@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ftc10d.pg.gloo import GlooCommunicator
 from ftc10d.pg.handles import Plan
 from ftc10d.pg.observer import OpRecord
+from ftc10d.pg.work import P2P_OPS
 from ftc10d.types import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -302,6 +303,18 @@ class Generation:
                 _settle(inner, entry)
                 continue
             left = deadline - time.monotonic()
+            if work is not None and work.op in P2P_OPS:
+                # Through the Work's one backend wait: a second Gloo wait on a send/recv that
+                # completed meanwhile would block until the op's timeout.
+                if work.p2p_backend_wait().wait(max(left, 0.0)):
+                    if entry is not None and not entry.settled:
+                        _settle(inner, entry)
+                    continue
+                abandoned += 1
+                if entry is not None:
+                    entry.fail("aborted")
+                work.abandon(self.aborted_error(work.op, work.seq))
+                continue
             try:
                 if left >= 0.001:  # c10d reads a timeout that rounds to 0 ms as "no timeout"
                     inner.wait(timedelta(milliseconds=int(left * 1000)))

@@ -11,7 +11,8 @@ The one op the cut does not wake (a Gloo send queued on a connection the peer ha
 already closed) is abandoned by the abort (``Generation._drain``): its future, and a
 ``wait()`` that is waiting on it, fail then instead of at the backend's timeout. That
 is why a collective's ``wait()`` waits in the backend in 0.25-s slices (free: the op
-usually completes within the first); send/recv keep one plain backend wait.
+usually completes within the first), and a send/recv's ``wait()`` waits on an event
+while a helper thread does the backend's one wait (Gloo gives them no future).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ if TYPE_CHECKING:
 
 
 #: Gloo's send/recv works: no future (``Work::getFuture not implemented``), and a second
-#: wait() on a completed one blocks until its timeout, so they are waited once.
-_P2P_OPS = frozenset({"send", "recv", "recv_anysource"})
+#: backend wait on a completed one blocks until its timeout, so they are waited once
+#: (``Work.p2p_backend_wait``).
+P2P_OPS = frozenset({"send", "recv", "recv_anysource"})
 #: How often a collective's untimed wait() looks whether an abort abandoned its op.
 _WAIT_SLICE = timedelta(seconds=0.25)
 _MIN_TIMEOUT = timedelta(milliseconds=1)
@@ -58,6 +60,11 @@ class Work(dist.Work):
         self._fut: Optional[torch.futures.Future] = None
         self._gate: Optional[torch.futures.Future] = None
         self._fut_set = False
+        #: send/recv: the one backend wait (p2p_backend_wait), its outcome, and the event
+        #: that releases the caller's wait() (set by that wait's end or by abandon()).
+        self._p2p_finished: Optional[threading.Event] = None
+        self._p2p_outcome: Optional[BaseException] = None
+        self._wake: Optional[threading.Event] = None
 
     # -- introspection used by hooks and the flight recorder
     @property
@@ -84,8 +91,8 @@ class Work(dist.Work):
             raise self._error
         untimed = timeout is None or timeout == timedelta(0)
         try:
-            if untimed and self._op in _P2P_OPS:
-                self._inner.wait()
+            if untimed and self._op in P2P_OPS:
+                self._wait_p2p()  # the one backend wait: again after completion, it returns at once
             elif untimed:
                 # In slices, so that an abort that abandons the op releases us within one.
                 # A slice that ends leaves the backend's work untouched (no side effect on a
@@ -100,6 +107,12 @@ class Work(dist.Work):
                         if self._error is not None:  # abandoned
                             self._gen.wait_aborted()
                             raise self._error from None
+            elif self._op in P2P_OPS:
+                assert timeout is not None
+                if not self.p2p_backend_wait().wait(timeout.total_seconds()):
+                    raise RuntimeError(f"Operation timed out after {timeout} (Work.wait timeout)")
+                if self._p2p_outcome is not None:
+                    raise self._p2p_outcome
             else:
                 self._inner.wait(max(timeout, _MIN_TIMEOUT))  # under 1 ms c10d reads "no timeout"
         except CollectiveError:
@@ -109,6 +122,50 @@ class Work(dist.Work):
         if self._entry is not None:
             self._entry.complete()
         return True
+
+    def p2p_backend_wait(self) -> threading.Event:
+        """Start the one backend wait of this send/recv, on a helper thread, unless it
+        started; the event is set once it returned (outcome in ``_p2p_outcome``).
+
+        Gloo gives send/recv no future, a timed wait that ends marks their work failed
+        (so they cannot be waited in slices like collectives), and a second wait after
+        completion blocks until the op's timeout: the caller's ``wait()`` and an abort's
+        drain both go through this one wait. A helper left in a Gloo wait that its cut
+        connections never end (see the module docstring) ends at the op's timeout."""
+        with self._lock:
+            if self._p2p_finished is not None:
+                return self._p2p_finished
+            finished = self._p2p_finished = threading.Event()
+
+        def run() -> None:
+            try:
+                self._inner.wait()
+            except BaseException as exc:  # handed to whoever waits
+                self._p2p_outcome = exc
+            finally:
+                finished.set()
+                wake = self._wake
+                if wake is not None:
+                    wake.set()
+
+        threading.Thread(target=run, name="ftc10d-p2p-wait", daemon=True).start()
+        return finished
+
+    def _wait_p2p(self) -> None:
+        """The caller's side of :meth:`p2p_backend_wait`: released by its end, or by an abandon."""
+        wake = threading.Event()
+        with self._lock:
+            self._wake = wake
+            abandoned = self._fut_set
+        finished = self.p2p_backend_wait()
+        if not abandoned and not finished.is_set():
+            wake.wait()
+        if not finished.is_set():  # abandoned by the abort: Gloo still waits, we do not
+            assert self._error is not None
+            self._gen.wait_aborted()
+            raise self._error
+        if self._p2p_outcome is not None:
+            raise self._p2p_outcome
 
     def get_future(self) -> torch.futures.Future:
         """A future completed with the op's outputs, or with the typed error (also when an
@@ -175,6 +232,9 @@ class Work(dist.Work):
         if self._error is None:
             self._error = error
         self._finish(error=self._error)
+        wake = self._wake
+        if wake is not None:
+            wake.set()
 
     def is_completed(self) -> bool:
         return self._fut_set or bool(self._inner.is_completed())
