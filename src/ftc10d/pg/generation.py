@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ftc10d.pg.gloo import GlooCommunicator
 from ftc10d.pg.handles import Plan
 from ftc10d.pg.observer import OpRecord
-from ftc10d.pg.work import P2P_OPS
+from ftc10d.pg.work import P2P_OPS, backend_timeout
 from ftc10d.types import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -306,27 +306,20 @@ class Generation:
             if work is not None and work.op in P2P_OPS:
                 # Through the Work's one backend wait: a second Gloo wait on a send/recv that
                 # completed meanwhile would block until the op's timeout.
-                if work.p2p_backend_wait().wait(max(left, 0.0)):
-                    if entry is not None and not entry.settled:
-                        _settle(inner, entry)
-                    continue
-                abandoned += 1
-                if entry is not None:
-                    entry.fail("aborted")
-                work.abandon(self.aborted_error(work.op, work.seq))
-                continue
-            try:
-                if left >= 0.001:  # c10d reads a timeout that rounds to 0 ms as "no timeout"
-                    inner.wait(timedelta(milliseconds=int(left * 1000)))
-                    if entry is not None:
+                finished = work.p2p_backend_wait().wait(max(left, 0.0))
+            else:
+                try:
+                    inner.wait(backend_timeout(timedelta(seconds=max(left, 0.0))))
+                except Exception:
+                    pass  # failing is what we expect of them; still running if it timed out
+                finished = inner.is_completed()
+            if finished:
+                if entry is not None and not entry.settled:
+                    if inner.exception() is None:
                         entry.complete()
-                    continue
-            except Exception:
-                if inner.is_completed():
-                    if entry is not None:  # failing is what we expect of them
+                    else:  # failing is what we expect of them
                         entry.fail("aborted")
-                    continue
-            # Still running at the deadline (wait() raised "timed out" without completing it).
+                continue
             abandoned += 1
             if entry is not None:
                 entry.fail("aborted")

@@ -38,7 +38,12 @@ if TYPE_CHECKING:
 P2P_OPS = frozenset({"send", "recv", "recv_anysource"})
 #: How often a collective's untimed wait() looks whether an abort abandoned its op.
 _WAIT_SLICE = timedelta(seconds=0.25)
-_MIN_TIMEOUT = timedelta(milliseconds=1)
+
+
+def backend_timeout(timeout: timedelta) -> timedelta:
+    """``timeout`` for a c10d wait: at least 1 ms, because c10d reads one that rounds to
+    0 ms as "no timeout" and would wait for ever."""
+    return max(timeout, timedelta(milliseconds=1))
 
 
 class Work(dist.Work):
@@ -114,7 +119,7 @@ class Work(dist.Work):
                 if self._p2p_outcome is not None:
                     raise self._p2p_outcome
             else:
-                self._inner.wait(max(timeout, _MIN_TIMEOUT))  # under 1 ms c10d reads "no timeout"
+                self._inner.wait(backend_timeout(timeout))
         except CollectiveError:
             raise
         except Exception as exc:  # the backend raises RuntimeError/DistBackendError

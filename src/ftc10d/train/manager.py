@@ -351,9 +351,9 @@ class Manager:
                 cfg = self.member.sync(self.pg, timeout=left)
                 plan = make_plan(self.pg, self.step, self._synced)
                 held = max((st for st, ok in zip(plan.steps, plan.synced) if ok), default=-1)
-                job_step = self._job_step()
+                job_step, closed_step = self._job_progress()
                 if held < job_step:
-                    self._wait_for_state(cfg, held, job_step, deadline)
+                    self._wait_for_state(cfg, held, job_step, closed_step, deadline)
                     continue
                 # A rank that was never synced (a joiner) may be overwritten while its state arrives.
                 state, nbytes, secs = transfer(self.pg, plan, self.state_dict,
@@ -380,14 +380,11 @@ class Manager:
                        seconds=time.perf_counter() - t0)
             return
 
-    def _job_step(self) -> int:
-        """The most advanced committed step the job is known to have reached (recorded with
-        the membership at a process's first commit and when it closes), or -1 if none.
-        Read at every recovery (one store read): others may have finished meanwhile."""
-        return self._job_progress()[0]
-
     def _job_progress(self) -> tuple[int, int]:
-        """(job step, the last step a holder closed at; -1 for none)."""
+        """The most advanced committed step the job is known to have reached (recorded with
+        the membership at a process's first commit and when it closes), and the last step
+        a holder closed at; -1 for none. Read at every recovery (one store read): others
+        may have finished meanwhile."""
         try:
             fact = self.member.fact(_FACT) or {}
         except StoreUnavailableError:
@@ -413,14 +410,13 @@ class Manager:
         except StoreUnavailableError as exc:
             logger.warning("manager: could not record the job's progress (%s); will retry", exc)
 
-    def _wait_for_state(self, cfg: Any, held: int, job_step: int, deadline: float) -> None:
+    def _wait_for_state(self, cfg: Any, held: int, job_step: int, closed: int, deadline: float) -> None:
         """No member here holds the job's most advanced committed state (all fresh, or all
         behind a step the job reached: e.g. a fenced member rejoining alone after the others
         finished). Going on would silently start a second history of the job (from scratch,
         or from a stale step), so wait for a configuration with a holder, or give up: at
         once with JobFinished if the holders closed at that step (they will not be back),
         after ``sync_timeout`` with StateLostError if they vanished."""
-        closed = self._job_progress()[1]
         if closed >= job_step >= 0:
             held_text = "nothing" if held < 0 else f"step {held}"
             logger.warning("manager: the job finished at step %d while this process was out of it (it holds %s): "
