@@ -10,7 +10,7 @@ pending ops fail just as fast instead of each waiting out its own timeout.
 The one op the cut does not wake (a Gloo send queued on a connection the peer had
 already closed) is abandoned by the abort (``Generation._drain``): its future, and a
 ``wait()`` that is waiting on it, fail then instead of at the backend's timeout. That
-is why a collective's ``wait()`` waits in the backend in 0.25-s slices (free: the op
+is why a collective's ``wait()`` waits in the backend in 50-ms slices (free: the op
 usually completes within the first), and a send/recv's ``wait()`` waits on an event
 while a helper thread does the backend's one wait (Gloo gives them no future).
 """
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 #: (``Work.p2p_backend_wait``).
 P2P_OPS = frozenset({"send", "recv", "recv_anysource"})
 #: How often a collective's untimed wait() looks whether an abort abandoned its op.
-_WAIT_SLICE = timedelta(seconds=0.25)
+_WAIT_SLICE = timedelta(seconds=0.05)
 
 
 def backend_timeout(timeout: timedelta) -> timedelta:
