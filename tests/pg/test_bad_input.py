@@ -55,6 +55,21 @@ def _bad_reconfigures(rank: int, world: int, port: int) -> list:
         pg.recv([torch.ones(1)], rank)
     with pytest.raises(ftc10d.InvalidOptionError, match="AllreduceOptions"):
         pg.allreduce([torch.ones(1)], "sum")
+    # all_to_all_single's split sizes are refused at the call (Gloo would fail the op at
+    # wait(), which reads as a broken configuration and aborts it)
+    out, inp = torch.zeros(4), torch.ones(4)
+    for outs, ins, words in [([1, 2, 1], [2, 2], "3 entries"), ([2, 2], [3, 2], "add up to 5"),
+                             ([2, 2], [-1, 5], "must not be negative"), ([], [], None)]:
+        if words is None:  # no split sizes: dim 0 must divide equally
+            with pytest.raises(ftc10d.InvalidOptionError, match="divide equally"):
+                dist.all_to_all_single(torch.zeros(3), torch.ones(3), group=pg)
+        else:
+            with pytest.raises(ftc10d.InvalidOptionError, match=words):
+                dist.all_to_all_single(out, inp, outs, ins, group=pg)
+        seen.append("InvalidOptionError")
+    assert pg.uuid is None and pg.generation is not None and not pg.generation.aborted  # nothing failed
+    dist.all_to_all_single(out, inp + rank, [2, 2], [2, 2], group=pg)
+    assert out.tolist() == [1.0, 1.0, 2.0, 2.0]
     ftc10d.reconfigure(1, handles, group=pg)  # a good one still works afterwards
     t = torch.ones(1)
     dist.all_reduce(t, group=pg)

@@ -553,6 +553,10 @@ class ProcessGroup(dist.ProcessGroup):
     ) -> Work:
         o = _opts(_c10d.AllToAllOptions, opts)
         outs, ins = list(output_split_sizes), list(input_split_sizes)
+        # Gloo checks these on its own thread, so a bad list would surface at wait() as a
+        # failed op and abort a healthy configuration: refuse it here, costing nothing.
+        self._check_split_sizes("output", output, outs)
+        self._check_split_sizes("input", input, ins)
         return self._issue(HookOpName.ALLTOALL, "all_to_all_single", [input], [output], -1, o.asyncOp,
                            lambda b: b.alltoall_base(output, input, outs, ins, o), [output])
 
@@ -580,6 +584,26 @@ class ProcessGroup(dist.ProcessGroup):
         tensors = _as_list(tensors)
         return self._issue(HookOpName.RECV, "recv_anysource", [], tensors, -1, True,
                            lambda b: b.recv_anysource(tensors, tag), tensors, p2p=True)
+
+    def _check_split_sizes(self, which: str, tensor: torch.Tensor, sizes: list[int]) -> None:
+        size = self.size()
+        rows = tensor.size(0) if tensor.dim() > 0 else 0
+        if not sizes:
+            if rows % size:
+                raise InvalidOptionError(
+                    f"all_to_all_single: the {which} tensor's dim 0 ({rows}) does not divide equally across the "
+                    f"{size} ranks of the current configuration; pass {which}_split_sizes")
+            return
+        if len(sizes) != size:
+            raise InvalidOptionError(
+                f"all_to_all_single: {which}_split_sizes has {len(sizes)} entries, the current configuration has "
+                f"{size} ranks; give one size per rank")
+        if any(n < 0 for n in sizes):
+            raise InvalidOptionError(f"all_to_all_single: {which}_split_sizes must not be negative, got {sizes}")
+        if sum(sizes) != rows:
+            raise InvalidOptionError(
+                f"all_to_all_single: {which}_split_sizes {sizes} add up to {sum(sizes)}, the {which} tensor's dim 0 "
+                f"is {rows}")
 
     def _check_peer(self, peer: int, op: str) -> None:
         size = self.size()
