@@ -332,6 +332,10 @@ def chaos(args: argparse.Namespace) -> int:
     except ScheduleError as exc:
         args.parser.error(str(exc))
         return 2
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the trial in progress was cleaned up
+        print(f"ftc10d chaos: interrupted; the finished trials are summarized in {args.out}/summary.json",
+              file=sys.stderr, flush=True)
+        return 130
 
 
 @subcommand("version", "print the versions of ftc10d, torch and Python, and what this torch supports natively")

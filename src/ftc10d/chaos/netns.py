@@ -14,11 +14,13 @@ worker. ``GLOO_SOCKET_IFNAME`` points Gloo at the host's interface (the hostname
 resolves to loopback, which does not cross namespaces).
 
 Needs root and iproute2; :func:`available` says whether this machine can.
-Everything made is removed by :meth:`Hosts.close` (also after a failure).
+Everything made is removed by :meth:`Hosts.close` (also after a failure, and at
+interpreter exit when an interrupt cut the trial's own cleanup short).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -74,6 +76,7 @@ class Hosts:
         if self.count <= 1:
             return self
         self._made = True
+        atexit.register(self.close)  # a second Ctrl-C during the trial's cleanup must not leak them
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.ip_of(0)}/26", "dev", self.bridge)
@@ -113,6 +116,7 @@ class Hosts:
     def close(self) -> None:
         if not self._made:
             return
+        atexit.unregister(self.close)
         for i in range(1, self.count):
             subprocess.run(["ip", "link", "del", self.root_if[i]], capture_output=True, timeout=30)
             subprocess.run(["ip", "netns", "del", self.ns[i]], capture_output=True, timeout=30)

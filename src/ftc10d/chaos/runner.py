@@ -13,14 +13,17 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
+from types import FrameType
 from typing import Any, Optional
 
 from ftc10d.chaos import netns
-from ftc10d.chaos.schedule import available_kinds, draw, load_replay, trial_seeds
+from ftc10d.chaos.schedule import TrialSpec, available_kinds, draw, load_replay, trial_seeds
 from ftc10d.chaos.trial import TrialResult, run_trial
 
 
@@ -90,6 +93,22 @@ def run(*, trials: int, seed: int, out: str, replay: Optional[str] = None, hosts
           f"{first.steps} steps, heartbeat timeout {first.heartbeat_timeout:g} s, {first.hosts} host(s), "
           f"membership {'3-member etcd' if first.membership == 'etcd' else 'coordinator store'}, out {out_dir}",
           flush=True)
+    # SIGTERM (a job scheduler's stop, `timeout`) ends the run like Ctrl-C: the trial's
+    # cleanup runs and removes its processes and network namespaces.
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        return _run_specs(specs, out_dir, keep, command)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _run_specs(specs, out_dir, keep, command)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: Optional[FrameType]) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _run_specs(specs: list[TrialSpec], out_dir: Path, keep: bool, command: str) -> int:
     results: list[TrialResult] = []
     t0 = time.time()
     for k, spec in enumerate(specs):

@@ -1,0 +1,54 @@
+"""A chaos run stopped mid-trial (SIGTERM, then a second one during its cleanup) leaves
+no network namespace, veth or bridge behind: they are root-owned and outlive the run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ftc10d.chaos import netns
+
+ok, why = netns.available()
+pytestmark = pytest.mark.skipif(not ok, reason=why)
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _links() -> str:
+    return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("signals", [1, 2], ids=["sigterm", "sigterm-twice"])
+def test_a_stopped_run_removes_its_namespaces(tmp_path: Path, signals: int) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "ftc10d", "chaos", "--trials", "1", "--seed", "5",
+                             "--hosts", "2", "--out", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tag = (proc.pid * 7 + 1) % 100000  # netns.Hosts' naming: the run's first Hosts
+    ns, bridge = f"ftcc{tag}h1", f"fcb{tag}"
+    try:
+        deadline = time.monotonic() + 60
+        while ns not in _namespaces():
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "the run made no namespace in 60 s"
+            time.sleep(0.1)
+        time.sleep(3)  # into the trial: workers started
+        for _ in range(signals):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0, out
+    assert ns not in _namespaces(), f"{ns} left behind:\n{out[-3000:]}"
+    assert bridge not in _links(), f"bridge {bridge} left behind"
