@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -52,3 +53,29 @@ def test_a_stopped_run_removes_its_namespaces(tmp_path: Path, signals: int) -> N
     assert proc.returncode != 0, out
     assert ns not in _namespaces(), f"{ns} left behind:\n{out[-3000:]}"
     assert bridge not in _links(), f"bridge {bridge} left behind"
+
+
+def test_a_bridge_left_by_a_killed_run_does_not_take_the_trials_subnet() -> None:
+    """A run killed hard leaves its bridge and its subnet behind; the next trial that drew
+    the same subnet had two routes to it and its other host never reached the coordinator
+    (a chaos long run's trial hung at step 0 on this)."""
+    hosts = netns.Hosts(2)
+    leftover = f"fcbt{os.getpid() % 100000}"
+    subprocess.run(["ip", "link", "add", leftover, "type", "bridge"], check=True)
+    try:
+        subprocess.run(["ip", "addr", "add", f"169.254.{hosts.subnet}.65/26", "dev", leftover], check=True)
+        subprocess.run(["ip", "link", "set", leftover, "up"], check=True)
+        drawn = hosts.subnet
+        with hosts:
+            assert hosts.subnet != drawn
+            with socket.socket() as srv:
+                srv.bind((hosts.ip_of(0), 0))
+                srv.listen(1)
+                port = srv.getsockname()[1]
+                probe = (f"import socket; socket.create_connection(({hosts.ip_of(0)!r}, {port}), timeout=5).close()")
+                reached = subprocess.run(["ip", "netns", "exec", hosts.ns[1], sys.executable, "-c", probe],
+                                         capture_output=True, text=True, timeout=30)
+            assert reached.returncode == 0, reached.stderr
+        assert hosts.ns[1] not in _namespaces()
+    finally:
+        subprocess.run(["ip", "link", "del", leftover], capture_output=True)

@@ -49,6 +49,21 @@ def _ip(*args: str) -> None:
         raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip()}")
 
 
+def _free_subnet(first: int) -> int:
+    """The first of the 169.254.<n>.64/26 subnets from ``first`` on that no interface of
+    the root namespace has: a bridge left by a run killed hard (SIGKILL, a power cut) has
+    one, and a second route to the same subnet sends the trial's packets nowhere (the
+    workers of its other hosts never reach the coordinator)."""
+    out = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True, timeout=30).stdout
+    used = {int(part.split(".")[2]) for part in out.split() if part.startswith("169.254.")}
+    for k in range(250):
+        n = (first - 1 + k) % 250 + 1
+        if n not in used:
+            return n
+    raise RuntimeError("every 169.254.<n>.64/26 subnet is taken: remove the fcb* bridges left by killed chaos runs "
+                       "(ip link del <name>)")
+
+
 class Hosts:
     """``count`` hosts (1 = the root namespace alone: nothing is made)."""
 
@@ -75,6 +90,7 @@ class Hosts:
     def start(self) -> "Hosts":
         if self.count <= 1:
             return self
+        self.subnet = _free_subnet(self.subnet)
         self._made = True
         atexit.register(self.close)  # a second Ctrl-C during the trial's cleanup must not leak them
         try:
