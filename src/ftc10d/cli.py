@@ -332,10 +332,10 @@ def chaos(args: argparse.Namespace) -> int:
     except ScheduleError as exc:
         args.parser.error(str(exc))
         return 2
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the trial in progress was cleaned up
-        print(f"ftc10d chaos: interrupted; the finished trials are summarized in {args.out}/summary.json",
-              file=sys.stderr, flush=True)
-        return 130
+    except runner.RunInterrupted as exc:  # Ctrl-C or SIGTERM: the trial in progress was cleaned up
+        print(f"ftc10d chaos: stopped by signal {exc.signum}; the finished trials are summarized in "
+              f"{args.out}/summary.json", file=sys.stderr, flush=True)
+        return 128 + exc.signum
 
 
 @subcommand("version", "print the versions of ftc10d, torch and Python, and what this torch supports natively")

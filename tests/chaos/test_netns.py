@@ -3,6 +3,7 @@ no network namespace, veth or bridge behind: they are root-owned and outlive the
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -28,13 +29,33 @@ def _links() -> str:
     return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
 
 
+def _remove(ns: str, bridge: str, veth: str) -> None:
+    for cmd in (["ip", "link", "del", veth], ["ip", "netns", "del", ns], ["ip", "link", "del", bridge]):
+        subprocess.run(cmd, capture_output=True)
+
+
+def _processes_under(path: Path) -> list[str]:
+    """Command lines that name ``path``: the run's launchers, workers, spare and coordinator."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if str(path) in cmd:
+                found.append(f"{entry.name}: {cmd[:200]}")
+    return found
+
+
 @pytest.mark.parametrize("signals", [1, 2], ids=["sigterm", "sigterm-twice"])
-def test_a_stopped_run_removes_its_namespaces(tmp_path: Path, signals: int) -> None:
+def test_a_stopped_run_cleans_up_its_trial(tmp_path: Path, signals: int) -> None:
+    """The second SIGTERM lands in the first's cleanup: it must not cut it short."""
     proc = subprocess.Popen([sys.executable, "-m", "ftc10d", "chaos", "--trials", "1", "--seed", "5",
                              "--hosts", "2", "--out", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tag = (proc.pid * 7 + 1) % 100000  # netns.Hosts' naming: the run's first Hosts
-    ns, bridge = f"ftcc{tag}h1", f"fcb{tag}"
+    ns, bridge, veth = f"ftcc{tag}h1", f"fcb{tag}", f"fc{tag}r1"
     try:
         deadline = time.monotonic() + 60
         while ns not in _namespaces():
@@ -44,15 +65,20 @@ def test_a_stopped_run_removes_its_namespaces(tmp_path: Path, signals: int) -> N
         time.sleep(3)  # into the trial: workers started
         for _ in range(signals):
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            time.sleep(0.2)
         out, _ = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode != 0, out
-    assert ns not in _namespaces(), f"{ns} left behind:\n{out[-3000:]}"
-    assert bridge not in _links(), f"bridge {bridge} left behind"
+        left = ns in _namespaces() or bridge in _links()
+        _remove(ns, bridge, veth)  # never leave them to the next test or run
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "stopped by signal 15" in out, out[-3000:]
+    assert not left, f"{ns} or {bridge} left behind:\n{out[-3000:]}"
+    time.sleep(1)  # the launchers' children are reaped asynchronously
+    assert _processes_under(tmp_path) == []
+    assert json.loads((tmp_path / "summary.json").read_text())["trials"] == 0  # this run's, not an older one's
 
 
 def test_a_bridge_left_by_a_killed_run_does_not_take_the_trials_subnet() -> None:

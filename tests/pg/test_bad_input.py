@@ -67,6 +67,10 @@ def _bad_reconfigures(rank: int, world: int, port: int) -> list:
             with pytest.raises(ftc10d.InvalidOptionError, match=words):
                 dist.all_to_all_single(out, inp, outs, ins, group=pg)
         seen.append("InvalidOptionError")
+    with pytest.raises(ftc10d.InvalidOptionError, match="one size"):
+        dist.all_to_all_single(torch.zeros(2), torch.ones(4), group=pg)
+    with pytest.raises(ftc10d.InvalidOptionError, match="0-dimensional"):
+        pg.alltoall_base(torch.zeros(()), torch.ones(()), [0, 0], [0, 0])
     assert pg.uuid is None and pg.generation is not None and not pg.generation.aborted  # nothing failed
     dist.all_to_all_single(out, inp + rank, [2, 2], [2, 2], group=pg)
     assert out.tolist() == [1.0, 1.0, 2.0, 2.0]
@@ -96,6 +100,8 @@ def test_constructor_and_helper_errors() -> None:
         dist.all_reduce(torch.ones(1), group=pg)
     with pytest.raises(ftc10d.NotConfiguredError):
         pg.barrier()
+    with pytest.raises(ftc10d.NotConfiguredError):  # not a split-size error: there is no configuration yet
+        dist.all_to_all_single(torch.zeros(2), torch.ones(2), group=pg)
     with pytest.raises(ftc10d.InvalidOptionError, match="not an ftc10d group"):
         ftc10d.get_reconfigure_handle(dist.ProcessGroup(0, 1))
     with pytest.raises(ftc10d.InvalidOptionError, match="no default process group"):

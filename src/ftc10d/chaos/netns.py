@@ -15,7 +15,7 @@ resolves to loopback, which does not cross namespaces).
 
 Needs root and iproute2; :func:`available` says whether this machine can.
 Everything made is removed by :meth:`Hosts.close` (also after a failure, and at
-interpreter exit when an interrupt cut the trial's own cleanup short).
+interpreter exit if something cut the trial's own cleanup short).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class Hosts:
             return self
         self.subnet = _free_subnet(self.subnet)
         self._made = True
-        atexit.register(self.close)  # a second Ctrl-C during the trial's cleanup must not leak them
+        atexit.register(self.close)  # whatever cuts the trial's cleanup short must not leak them
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.ip_of(0)}/26", "dev", self.bridge)
@@ -132,12 +132,12 @@ class Hosts:
     def close(self) -> None:
         if not self._made:
             return
-        atexit.unregister(self.close)
         for i in range(1, self.count):
             subprocess.run(["ip", "link", "del", self.root_if[i]], capture_output=True, timeout=30)
             subprocess.run(["ip", "netns", "del", self.ns[i]], capture_output=True, timeout=30)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
         self._made = False
+        atexit.unregister(self.close)  # last: until all is removed, exit still removes it
 
     def __enter__(self) -> "Hosts":
         return self.start()

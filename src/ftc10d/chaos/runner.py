@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import signal
 import sys
@@ -93,24 +94,53 @@ def run(*, trials: int, seed: int, out: str, replay: Optional[str] = None, hosts
           f"{first.steps} steps, heartbeat timeout {first.heartbeat_timeout:g} s, {first.hosts} host(s), "
           f"membership {'3-member etcd' if first.membership == 'etcd' else 'coordinator store'}, out {out_dir}",
           flush=True)
-    # SIGTERM (a job scheduler's stop, `timeout`) ends the run like Ctrl-C: the trial's
-    # cleanup runs and removes its processes and network namespaces.
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         return _run_specs(specs, out_dir, keep, command)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C and SIGTERM (a scheduler's stop, `timeout`) end the run the same way: the
+    # first raises RunInterrupted, and the trial's cleanup then runs to its end (further
+    # signals are ignored: an interrupted cleanup would leave root-owned namespaces and
+    # the coordinator's process behind; SIGKILL still stops the run at once).
+    global _interrupted
+    _interrupted = False
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _run_specs(specs, out_dir, keep, command)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A chaos run stopped by a signal (``signum``), after the trial in progress was cleaned up."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+_interrupted = False
 
 
 def _interrupt(signum: int, frame: Optional[FrameType]) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    global _interrupted
+    if _interrupted:
+        os.write(2, b"ftc10d chaos: still cleaning up the trial (SIGKILL stops at once, leaving its network "
+                    b"namespaces and processes behind)\n")
+        return
+    _interrupted = True
+    raise RunInterrupted(signum)
+
+
+def _write_summary(out_dir: Path, summary: dict[str, Any]) -> None:
+    tmp = out_dir / "summary.json.tmp"  # whole or not at all, however the run ends
+    tmp.write_text(json.dumps(summary, indent=1))
+    os.replace(tmp, out_dir / "summary.json")
 
 
 def _run_specs(specs: list[TrialSpec], out_dir: Path, keep: bool, command: str) -> int:
     results: list[TrialResult] = []
     t0 = time.time()
+    _write_summary(out_dir, summarize(results, command))  # not an older run's, if this one is stopped early
     for k, spec in enumerate(specs):
         print(f"trial {k + 1}/{len(specs)} seed {spec.seed}: {spec.describe()}", flush=True)
         folder = out_dir / "trials" / f"{k}-{spec.seed}"
@@ -122,8 +152,7 @@ def _run_specs(specs: list[TrialSpec], out_dir: Path, keep: bool, command: str) 
         _print_result(k, len(specs), result)
         if result.survived and not keep:
             shutil.rmtree(folder, ignore_errors=True)  # the record (.json) stays; the logs of failures too
-        summary = summarize(results, command)
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        _write_summary(out_dir, summarize(results, command))
     summary = summarize(results, command)
     print(f"ftc10d chaos: {summary['survived']}/{summary['trials']} trials survived in {time.time() - t0:.0f} s; "
           f"faults {summary['faults_by_kind']}; worst stall {summary['worst_stall_s_by_kind']}; "

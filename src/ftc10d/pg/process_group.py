@@ -387,6 +387,7 @@ class ProcessGroup(dist.ProcessGroup):
         result: Any,
         p2p: bool = False,
         opts: Any = None,
+        validate: Optional[Callable[[int], None]] = None,
     ) -> Work:
         gen = self._gen
         if gen is None:
@@ -396,6 +397,8 @@ class ProcessGroup(dist.ProcessGroup):
             )
         if gen.aborted:
             raise gen.aborted_error(op, gen.p2p_seq + 1 if p2p else gen.collective_seq + 1)
+        if validate is not None:
+            validate(gen.size)  # against the configuration the op is issued on
         op_id = next(self._op_ids)
         if self._pre_hooks.fns:
             self._pre_hooks.fire(make_pre_hook_args(hook_name, async_op, inputs, outputs, root, op_id))
@@ -551,14 +554,26 @@ class ProcessGroup(dist.ProcessGroup):
         input_split_sizes: Sequence[int],
         opts: Any = None,
     ) -> Work:
+        """Split sizes that cannot fit the tensors raise :class:`InvalidOptionError` here, on
+        this rank, as NCCL's do (Gloo would check them on its own thread and fail the op at
+        ``wait()``, which reads as a broken configuration and aborts it). The op is then not
+        issued: if the other ranks issued theirs, they wait for it until the timeout, so a
+        rank that catches this error should ``abort()`` the group (or all ranks should
+        compute their sizes alike). Sizes that fit locally but disagree across ranks are
+        still Gloo's to find."""
         o = _opts(_c10d.AllToAllOptions, opts)
         outs, ins = list(output_split_sizes), list(input_split_sizes)
-        # Gloo checks these on its own thread, so a bad list would surface at wait() as a
-        # failed op and abort a healthy configuration: refuse it here, costing nothing.
-        self._check_split_sizes("output", output, outs)
-        self._check_split_sizes("input", input, ins)
+
+        def validate(size: int) -> None:
+            _check_split_sizes("output", output, outs, size)
+            _check_split_sizes("input", input, ins, size)
+            if not outs and not ins and output.numel() != input.numel():
+                raise InvalidOptionError(
+                    f"all_to_all_single without split sizes needs input and output of one size; got "
+                    f"{input.numel()} and {output.numel()} elements")
+
         return self._issue(HookOpName.ALLTOALL, "all_to_all_single", [input], [output], -1, o.asyncOp,
-                           lambda b: b.alltoall_base(output, input, outs, ins, o), [output])
+                           lambda b: b.alltoall_base(output, input, outs, ins, o), [output], validate=validate)
 
     alltoall_base = all_to_all_single
 
@@ -585,29 +600,31 @@ class ProcessGroup(dist.ProcessGroup):
         return self._issue(HookOpName.RECV, "recv_anysource", [], tensors, -1, True,
                            lambda b: b.recv_anysource(tensors, tag), tensors, p2p=True)
 
-    def _check_split_sizes(self, which: str, tensor: torch.Tensor, sizes: list[int]) -> None:
-        size = self.size()
-        rows = tensor.size(0) if tensor.dim() > 0 else 0
-        if not sizes:
-            if rows % size:
-                raise InvalidOptionError(
-                    f"all_to_all_single: the {which} tensor's dim 0 ({rows}) does not divide equally across the "
-                    f"{size} ranks of the current configuration; pass {which}_split_sizes")
-            return
-        if len(sizes) != size:
-            raise InvalidOptionError(
-                f"all_to_all_single: {which}_split_sizes has {len(sizes)} entries, the current configuration has "
-                f"{size} ranks; give one size per rank")
-        if any(n < 0 for n in sizes):
-            raise InvalidOptionError(f"all_to_all_single: {which}_split_sizes must not be negative, got {sizes}")
-        if sum(sizes) != rows:
-            raise InvalidOptionError(
-                f"all_to_all_single: {which}_split_sizes {sizes} add up to {sum(sizes)}, the {which} tensor's dim 0 "
-                f"is {rows}")
-
     def _check_peer(self, peer: int, op: str) -> None:
         size = self.size()
         if not 0 <= peer < size:
             raise InvalidOptionError(f"{op}: peer rank {peer} is not in [0, {size}) of the current configuration")
         if peer == self.rank():
             raise InvalidOptionError(f"{op}: peer rank {peer} is this process's own rank")
+
+
+def _check_split_sizes(which: str, tensor: torch.Tensor, sizes: list[int], size: int) -> None:
+    if tensor.dim() == 0:
+        raise InvalidOptionError(f"all_to_all_single: the {which} tensor is 0-dimensional; it is split along dim 0")
+    rows = tensor.size(0)
+    if not sizes:
+        if rows % size:
+            raise InvalidOptionError(
+                f"all_to_all_single: the {which} tensor's dim 0 ({rows}) does not divide equally across the "
+                f"{size} ranks of the current configuration; pass {which}_split_sizes")
+        return
+    if len(sizes) != size:
+        raise InvalidOptionError(
+            f"all_to_all_single: {which}_split_sizes has {len(sizes)} entries, the current configuration has "
+            f"{size} ranks; give one size per rank")
+    if any(n < 0 for n in sizes):
+        raise InvalidOptionError(f"all_to_all_single: {which}_split_sizes must not be negative, got {sizes}")
+    if sum(sizes) != rows:
+        raise InvalidOptionError(
+            f"all_to_all_single: {which}_split_sizes {sizes} add up to {sum(sizes)}, the {which} tensor's dim 0 "
+            f"is {rows}")

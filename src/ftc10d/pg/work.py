@@ -108,7 +108,11 @@ class Work(dist.Work):
                         break
                     except Exception:
                         if self._inner.is_completed():
-                            raise  # the op failed
+                            # Failed, or it completed between the slice's timeout and this
+                            # check: its own outcome, then (a completed work's wait returns
+                            # at once or raises the op's error, not the slice's timeout).
+                            self._inner.wait()
+                            break
                         if self._error is not None:  # abandoned
                             self._gen.wait_aborted()
                             raise self._error from None
