@@ -65,7 +65,7 @@ def test_a_stopped_run_cleans_up_its_trial(tmp_path: Path, signals: int) -> None
         time.sleep(3)  # into the trial: workers started
         for _ in range(signals):
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.2)
+            time.sleep(0.02)
         out, _ = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
@@ -73,8 +73,13 @@ def test_a_stopped_run_cleans_up_its_trial(tmp_path: Path, signals: int) -> None
             proc.wait()
         left = ns in _namespaces() or bridge in _links()
         _remove(ns, bridge, veth)  # never leave them to the next test or run
-    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert "stopped by signal 15" in out, out[-3000:]
+    if signals == 2 and "still cleaning up" not in out:
+        # The cleanup had ended before the second signal came: the default action ends
+        # the process then, which is all right (the checks below still hold).
+        assert proc.returncode in (128 + signal.SIGTERM, -signal.SIGTERM), out[-3000:]
+    else:
+        assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert not left, f"{ns} or {bridge} left behind:\n{out[-3000:]}"
     time.sleep(1)  # the launchers' children are reaped asynchronously
     assert _processes_under(tmp_path) == []
