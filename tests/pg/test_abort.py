@@ -304,3 +304,39 @@ def test_an_op_the_abort_cannot_cut_is_abandoned_and_its_waits_fail() -> None:
                              "recv": "ProcessGroupAborted"}, res
     assert res["abort_call"] < 15.0 and max(res["latency"].values()) < 15.0, res  # op timeout: 60 s
     assert res["completed"], "an abandoned op counts as completed (failed)"
+
+
+def _abort_with_a_reused_descriptor(rank: int, world: int, port: int) -> tuple:
+    from ftc10d.pg.gloo import _PairSocket
+
+    store = harness.client_store(port)
+    pg = ftc10d.ProcessGroup(store, rank, world, timeout=T)
+    handles = harness.exchange(store, "h", rank, pg.get_reconfigure_handle(), world)
+    ftc10d.reconfigure(1, handles, group=pg)
+    dist.all_reduce(torch.ones(4), group=pg)
+    if rank != 0:
+        harness.store_barrier(store, "aborted", rank, world)
+        return ()
+    comm = pg.generation.comm
+    real = comm._pairs[0]
+    r, w = os.pipe()  # Gloo closed a pair and the process reused its number for a pipe
+    try:
+        comm._pairs = (_PairSocket(fd=r, inode=real.inode, local=real.local, remote=real.remote),) + comm._pairs
+        pending = dist.all_reduce(torch.ones(N), group=pg, async_op=True)  # rank 1 never joins it
+        pg.abort()
+        with pytest.raises(ftc10d.ProcessGroupAborted):
+            pending.wait()
+        os.fstat(r)  # the pipe is still ours: the cut neither closed nor touched it
+    finally:
+        os.close(r)
+        os.close(w)
+    harness.store_barrier(store, "aborted", rank, world)
+    return (pg.get_error() != ftc10d.ErrorType.SUCCESS,)
+
+
+def test_abort_completes_when_a_pair_descriptor_was_reused_by_a_non_socket() -> None:
+    """Chaos finding 15: a pair's descriptor number, closed by Gloo and reused by a pipe,
+    made the cut raise ENOTSOCK half-way through abort(); the drain never ran and the
+    member's training thread hung in the rendezvous that followed."""
+    res = harness.run(_abort_with_a_reused_descriptor, 2)
+    assert res[0] == (True,)

@@ -246,6 +246,32 @@ def test_abort_gives_a_pending_rendezvous_up_on_every_member() -> None:
         assert total == 3.0
 
 
+def _abandon_before_it_begins(rank: int, world: int, port: int) -> tuple:
+    store = harness.client_store(port)
+    pg = ftc10d.ProcessGroup(store, rank, world, timeout=T)
+    handles = harness.exchange(store, "h", rank, pg.get_reconfigure_handle(), world)
+    if rank == 0:  # its membership moved on before its own thread reached the rendezvous
+        pg.abandon_reconfigure(9, "a newer configuration was adopted")
+    harness.store_barrier(store, "gave-up", rank, world)
+    t0 = time.monotonic()
+    with pytest.raises(ftc10d.ReconfigureAbandonedError, match="a newer configuration was adopted"):
+        ftc10d.reconfigure(9, handles, group=pg)  # the timeout is 20 s
+    waited = time.monotonic() - t0
+    ftc10d.reconfigure(10, handles, group=pg)  # a fresh uuid connects everyone
+    return waited, _sum_of_ranks(pg)
+
+
+def test_a_rendezvous_given_up_before_it_begins_ends_at_once_on_every_member() -> None:
+    """Chaos finding 15: the membership gave up the rendezvous of an older configuration
+    (abort()) a moment before its member's thread entered it; nothing was pending yet, so
+    that member waited its whole 7.5-s timeout for members that had gone on."""
+    res = harness.run(_abandon_before_it_begins, 3)
+    for r in range(3):
+        waited, total = res[r]
+        assert waited < 10, f"rank {r} waited {waited:.1f} s in a rendezvous given up before it began"
+        assert total == 3.0
+
+
 class _SlowCloneStore(ReconnectingTCPStore):
     """A store whose second connection takes seconds to open, as one TCPStore connect in
     about 28 does on the chaos machine (a 5-s resolver stall inside torch's client)."""

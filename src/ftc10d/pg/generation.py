@@ -266,9 +266,15 @@ class Generation:
                 self._fire_abort_hooks()
         finally:
             self.aborted = True
-            cut = self.comm.shutdown_pairs()
-            self._drain()
-            self._abort_done.set()
+            cut = 0
+            try:
+                cut = self.comm.shutdown_pairs()
+            except Exception:  # the drain and the waiters' release must happen whatever this did
+                logger.exception("%s: cutting the connections failed", self.label)
+            try:
+                self._drain()
+            finally:
+                self._abort_done.set()
         logger.info(
             "aborted %s (rank %d of %d): %s; %d connection(s) cut in %.1f ms",
             self.label, self.rank, self.size, reason, cut, (time.perf_counter() - t0) * 1e3,
@@ -501,7 +507,12 @@ def rendezvous(
     sig = handles_digest(plan.handles)
     keys = rank_keys(plan)
     try:
-        mine = f"{plan.handles[plan.rank]}|{global_rank}"
+        if pending is not None and pending.abandoned.is_set():
+            # Given up before it began: our own slot gets a tombstone, so that no member
+            # connects even if all of the others arrive.
+            mine = f"{ABANDONED}|{pending.why}"
+        else:
+            mine = f"{plan.handles[plan.rank]}|{global_rank}"
         got = store.compare_set(keys[plan.rank], "", mine).decode()
         if got != mine:
             raise _abandoned(plan, [got]) or ConfigurationMismatchError(

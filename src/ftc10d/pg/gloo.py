@@ -136,23 +136,31 @@ class GlooCommunicator:
         return len(self._pairs)
 
     def shutdown_pairs(self) -> int:
-        """Shut down every pair socket still open; returns how many were cut."""
+        """Shut down every pair socket still open; returns how many were cut.
+
+        Never raises: Gloo may have closed a pair and the process reused its descriptor
+        number for anything (a pipe, a file), and an abort that raised half-way would leave
+        the configuration's pending ops undrained and its waiters blocked (chaos finding 15).
+        """
         cut = 0
         for p in self._pairs:
             try:
                 dup = os.dup(p.fd)
             except OSError:
                 continue  # Gloo already closed it
-            s = socket.socket(fileno=dup)  # owns ``dup`` from here on
             try:
                 if os.fstat(dup).st_ino != p.inode:
                     continue  # descriptor number reused by someone else
-                s.shutdown(socket.SHUT_RDWR)
-                cut += 1
+                s = socket.socket(fileno=dup)
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                    cut += 1
+                finally:
+                    s.detach()  # ``dup`` is closed below, once
             except OSError:
-                pass  # already disconnected
+                pass  # already disconnected, or no socket any more
             finally:
-                s.close()
+                os.close(dup)
         return cut
 
     def peer_of_endpoint(self, message: str) -> Optional[int]:

@@ -136,6 +136,9 @@ class ProcessGroup(dist.ProcessGroup):
         self._reconfigure_lock = threading.Lock()
         #: The rendezvous a reconfigure() is waiting in, if any: abort() gives it up.
         self._pending: Optional[PendingRendezvous] = None
+        # uuids whose rendezvous was given up before it began (abandon_reconfigure); a uuid
+        # is used once, so the entry is dropped when that rendezvous starts.
+        self._given_up: dict[int, str] = {}
         self._op_ids = itertools.count()
         self._abort_hooks = HookRegistry("abort")
         self._pre_hooks = HookRegistry("pre")
@@ -258,9 +261,10 @@ class ProcessGroup(dist.ProcessGroup):
             old = self._gen
             if old is not None:
                 old.abort(ErrorType.COMM_ERROR, f"reconfigured to generation {plan.uuid}")
-            from ftc10d.pg import c10d
-
             self._pending = PendingRendezvous(self._store, plan)
+            why = self._given_up.pop(plan.uuid, None)
+            if why is not None:  # given up before it began: the waits below end at once
+                self._pending.abandon(why)
             try:
                 gen = rendezvous(self._store, plan, c10d.global_rank(self), self._timeout, self._fire_abort_hooks,
                                  self._pending)
@@ -292,6 +296,22 @@ class ProcessGroup(dist.ProcessGroup):
         gen = self._gen
         if gen is not None:
             gen.abort(ErrorType.COMM_ERROR, "aborted by the user (ProcessGroup.abort())")
+
+    def abandon_reconfigure(self, uuid: int, why: str = "") -> None:
+        """Give up the rendezvous of configuration ``uuid``, whether it is pending now on
+        another thread or starts later: ``reconfigure()`` to that uuid then raises
+        :class:`ReconfigureAbandonedError` at once, here and on the other members.
+
+        Why not ``abort()``: a membership that moves on while its member is about to apply
+        the older configuration cannot know whether the rendezvous has begun yet. ``abort()``
+        gives up only a rendezvous already pending, and one that begins a moment later waits
+        its whole timeout for members that went straight to the newer configuration (chaos
+        finding 15). A uuid is used once, so giving it up for good is never wrong."""
+        why = why or f"a member gave configuration {uuid} up (pid {os.getpid()})"
+        self._given_up[uuid] = why
+        pending = self._pending  # read after the write above: reconfigure() does the converse
+        if pending is not None and pending.plan.uuid == uuid:
+            pending.abandon(why)
 
     def shutdown(self) -> None:
         """Tear the group down for good. Unlike abort() this is no failure: abort hooks do not fire."""
