@@ -293,7 +293,14 @@ class ConfigurationMismatchError(ReconfigureError):
 
 
 class ReconfigureTimeoutError(ReconfigureError, TimeoutError):
-    """Not every member reached the rendezvous within the timeout."""
+    """Not every member reached the rendezvous within the timeout.
+
+    ``missing_handles``: the handles of the ranks that did not arrive, so that a caller
+    can tell a member that keeps not coming from one that was late once."""
+
+    def __init__(self, message: str, missing_handles: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing_handles = tuple(missing_handles)
 
 
 class ReconfigureConnectError(ReconfigureError):

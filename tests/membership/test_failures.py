@@ -59,6 +59,31 @@ def test_kill_one_of_four(spec: dict[str, Any]) -> None:
     assert took < 10, f"recovery took {took:.1f} s"
 
 
+def test_a_member_whose_training_thread_hangs_is_removed_after_missing_two_rendezvous(coordinator: Any) -> None:
+    """Chaos finding 15: a member's training thread hung while its heartbeat went on; the
+    others renewed the same membership every rendezvous timeout for the rest of the trial.
+    A member that misses two rendezvous in a row of the newest configuration is removed."""
+    opts = {"expected": 4, "hang": {"2": "test/hang"}, "pg_timeout": 3, "rendezvous_timeout": 2.0}
+    job = harness.start(pg_worker, 4, tcp_spec(coordinator), opts)
+    try:
+        st = wait_states(job.store, [0, 1, 2, 3], lambda s: same_config(s, 4, min_steps=3), 60, "4 ranks running")
+        before, hung = st[0]["uuid"], st[2]["handle"]
+        t0 = time.monotonic()
+        job.store.set("test/hang", "1")
+        st = wait_states(job.store, [0, 1, 3], lambda s: same_config(s, 3, not_uuid=before, min_steps=3), 90,
+                         "the others to remove the hung member and carry on")
+        took = time.monotonic() - t0
+        print(f"hung training thread -> removed and training again: {took:.2f} s")
+        job.store.set("test/stop", "1")
+        results = job.collect([0, 1, 3], timeout=60)
+    finally:
+        job.close()
+    epoch, uuid, handles = _final_agree(results)
+    assert hung not in handles and len(handles) == 3
+    # an op timeout (3 s), then two rendezvous timeouts (2 s each) and agreement: well under 60 s
+    assert took < 60, f"removing the hung member took {took:.1f} s"
+
+
 def test_kill_and_a_join_at_once_do_not_stall_the_survivors(coordinator: Any) -> None:
     """A removal and an admission agreed milliseconds apart: a survivor that adopts the
     second before its rendezvous for the first must not leave the others waiting for it

@@ -108,7 +108,14 @@ def pg_worker(rank: int, world: int, port: int, spec: dict[str, Any], opts: dict
     applied(member.sync(pg, timeout=60))
     steps = 0
     fenced = 0
+    hang = opts.get("hang", {}).get(str(rank))
     while not control.check(["test/stop"]):
+        if hang and control.check([hang]):
+            # The training thread hangs (user code, a library bug); the membership's threads
+            # go on heartbeating for it.
+            note("hung")
+            control.wait(["test/stop"], timedelta(seconds=300))
+            break
         try:
             cur = member.current()  # a membership operation every step: raises Fenced once removed
             if cur is not None and cur.uuid != pg.uuid:

@@ -75,6 +75,12 @@ _SUCCESS = ErrorType.SUCCESS
 #: How long the watch thread blocks in one server-side wait before looking around.
 WAIT_SLICE = 5.0
 
+#: A member that misses this many rendezvous in a row of the newest configuration while
+#: it still heartbeats is removed ("no-show"): its process lives, but the thread that
+#: should reconfigure its group does not come (hung in user code, or in a library bug),
+#: and without this the others would renew the same membership forever.
+NO_SHOW_LIMIT = 2
+
 
 def ring_successors(cfg: Configuration, member_id: str, k: int) -> list[str]:
     """The ``k`` members after ``member_id`` in ``cfg``'s order (wrapping): whom it watches."""
@@ -167,6 +173,8 @@ class Member:
         self._pgs: list[Any] = []
         #: (group, configuration) while sync()/apply() waits in that configuration's rendezvous.
         self._applying: Optional[tuple[Any, Configuration]] = None
+        #: member id -> rendezvous of the newest configuration it missed in a row (NO_SHOW_LIMIT)
+        self._no_shows: dict[str, int] = {}
         self._closed = False
 
     def _new_agreement(self, store: MembershipStore) -> Agreement:
@@ -502,7 +510,9 @@ class Member:
                     self.wait_next(cfg.epoch, left())
                     continue
             try:
-                return self.apply(pg, cfg, timeout=max(left(self.rendezvous_timeout) or 0.0, 0.001))
+                applied = self.apply(pg, cfg, timeout=max(left(self.rendezvous_timeout) or 0.0, 0.001))
+                self._no_shows = {}
+                return applied
             except ReconfigureAbandonedError as exc:
                 # A newer configuration superseded cfg (adopted here, or by a member that went
                 # straight to it and gave cfg's rendezvous up): it is in the store already.
@@ -511,14 +521,31 @@ class Member:
                 self.wait_next(cfg.epoch, left())
             except (ReconfigureTimeoutError, ReconfigureConnectError, UuidReusedError) as exc:
                 logger.warning("membership: %s could not connect %s (%s)", self.id, cfg, exc)
-                self._renew(cfg, f"the rendezvous of epoch {cfg.epoch} failed")
+                no_shows = self._count_no_shows(cfg, getattr(exc, "missing_handles", ()))
+                self._renew(cfg, f"the rendezvous of epoch {cfg.epoch} failed", no_shows)
                 self.wait_next(cfg.epoch, left())
 
-    def _renew(self, cfg: Configuration, why: str) -> None:
-        """Ask for a configuration after ``cfg`` (same members, fresh uuid) unless one exists."""
+    def _count_no_shows(self, cfg: Configuration, missing: tuple[str, ...]) -> dict[str, str]:
+        """Members that missed ``NO_SHOW_LIMIT`` rendezvous in a row, to be removed.
+
+        Only a rendezvous of the newest configuration counts: a member missing from an
+        older one has usually gone straight to the newer one (not a failure)."""
+        cur = self._current
+        if cur is None or cur.epoch != cfg.epoch:
+            return {}
+        ids = {h: m for m, h in zip(cfg.members, cfg.handles) if m != self.id}
+        self._no_shows = {ids[h]: self._no_shows.get(ids[h], 0) + 1 for h in missing if h in ids}
+        out = {m: "no-show" for m, n in self._no_shows.items() if n >= NO_SHOW_LIMIT}
+        for m in out:
+            logger.warning("membership: %s: member %s missed %d rendezvous in a row while it heartbeats (a hung "
+                           "training thread?); proposing its removal", self.id, m, self._no_shows[m])
+        return out
+
+    def _renew(self, cfg: Configuration, why: str, remove: Optional[dict[str, str]] = None) -> None:
+        """Ask for a configuration after ``cfg`` (same members, fresh uuid; without ``remove``) unless one exists."""
         with self._api_lock:
             try:
-                out = self._agreement.propose(reason=f"{self.id}: {why}", renew_after=cfg.epoch)
+                out = self._agreement.propose(remove, reason=f"{self.id}: {why}", renew_after=cfg.epoch)
             except StoreUnavailableError:
                 return
         if out.config is not None:

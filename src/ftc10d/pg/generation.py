@@ -526,7 +526,8 @@ def rendezvous(
             raise ReconfigureTimeoutError(
                 f"reconfigure to uuid {plan.uuid}: rank(s) {missing} of {plan.size} did not arrive within "
                 f"{plan.timeout.total_seconds():g} s (handles {[plan.handles[r] for r in missing]}). "
-                "Retry with a fresh uuid and the members that are alive."
+                "Retry with a fresh uuid and the members that are alive.",
+                missing_handles=tuple(plan.handles[r] for r in missing),
             ) from exc
         values = [v.decode() for v in store.multi_get(keys)]
         gave_up = _abandoned(plan, values)
