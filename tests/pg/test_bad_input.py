@@ -39,6 +39,9 @@ def _bad_reconfigures(rank: int, world: int, port: int) -> list:
         ({"uuid": 1, "handles": handles}, ftc10d.InvalidOptionError, "ReconfigureOptions"),
     ]
     seen = []
+    for bad in ("7", True, 2**63):  # abandon_reconfigure takes the same uuids as reconfigure
+        with pytest.raises(ftc10d.InvalidOptionError, match="uuid must be an int|64-bit"):
+            pg.abandon_reconfigure(bad)  # type: ignore[arg-type]
     for opts, exc, words in cases:
         with pytest.raises(exc, match=words):
             pg.reconfigure(opts)

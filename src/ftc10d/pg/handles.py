@@ -91,6 +91,15 @@ def _get(opts: Any, name: str) -> Any:
         ) from None
 
 
+def check_uuid(uuid: Any) -> int:
+    """A configuration uuid as torch 2.14 takes it: an int (not a bool) in int64."""
+    if isinstance(uuid, bool) or not isinstance(uuid, int):
+        raise InvalidOptionError(f"uuid must be an int (as in torch 2.14), got {type(uuid).__name__} {uuid!r}")
+    if not INT64_MIN <= uuid <= INT64_MAX:
+        raise InvalidOptionError(f"uuid {uuid} does not fit in a signed 64-bit integer")
+    return uuid
+
+
 def plan_reconfigure(opts: Any, own_handle: str, default_timeout: timedelta) -> Plan:
     """Validate ``opts`` (ftc10d's or torch's ``ReconfigureOptions``) into a :class:`Plan`.
 
@@ -103,11 +112,7 @@ def plan_reconfigure(opts: Any, own_handle: str, default_timeout: timedelta) -> 
             f"reconfigure() takes ReconfigureOptions, got {type(opts).__name__}; "
             "use ftc10d.ReconfigureOptions(uuid, handles) or ftc10d.reconfigure(uuid, handles, group=pg)"
         )
-    uuid = _get(opts, "uuid")
-    if isinstance(uuid, bool) or not isinstance(uuid, int):
-        raise InvalidOptionError(f"uuid must be an int (as in torch 2.14), got {type(uuid).__name__} {uuid!r}")
-    if not INT64_MIN <= uuid <= INT64_MAX:
-        raise InvalidOptionError(f"uuid {uuid} does not fit in a signed 64-bit integer")
+    uuid = check_uuid(_get(opts, "uuid"))
 
     raw = _get(opts, "handles")
     if isinstance(raw, (set, frozenset)):

@@ -307,6 +307,7 @@ class ProcessGroup(dist.ProcessGroup):
         gives up only a rendezvous already pending, and one that begins a moment later waits
         its whole timeout for members that went straight to the newer configuration (chaos
         finding 15). A uuid is used once, so giving it up for good is never wrong."""
+        uuid = _handles.check_uuid(uuid)
         why = why or f"a member gave configuration {uuid} up (pid {os.getpid()})"
         self._given_up[uuid] = why
         pending = self._pending  # read after the write above: reconfigure() does the converse
