@@ -262,7 +262,7 @@ def _abandon_before_it_begins(rank: int, world: int, port: int) -> tuple:
 
 
 def test_a_rendezvous_given_up_before_it_begins_ends_at_once_on_every_member() -> None:
-    """Chaos finding 15: the membership gave up the rendezvous of an older configuration
+    """Chaos finding 16: the membership gave up the rendezvous of an older configuration
     (abort()) a moment before its member's thread entered it; nothing was pending yet, so
     that member waited its whole 7.5-s timeout for members that had gone on."""
     res = harness.run(_abandon_before_it_begins, 3)

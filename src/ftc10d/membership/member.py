@@ -412,7 +412,7 @@ class Member:
             # went straight to this one: give it up now rather than at its timeout.
             logger.info("membership: %s gives up the rendezvous of %s", self.id, applying[1])
             abandon = getattr(applying[0], "abandon_reconfigure", None)
-            if abandon is not None:  # also if its rendezvous has not begun yet (finding 15)
+            if abandon is not None:  # also if its rendezvous has not begun yet (finding 16)
                 abandon(applying[1].uuid, f"member {self.id} adopted a newer configuration")
             applying[0].abort()
         for pg in list(self._pgs):

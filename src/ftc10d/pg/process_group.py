@@ -306,7 +306,7 @@ class ProcessGroup(dist.ProcessGroup):
         the older configuration cannot know whether the rendezvous has begun yet. ``abort()``
         gives up only a rendezvous already pending, and one that begins a moment later waits
         its whole timeout for members that went straight to the newer configuration (chaos
-        finding 15). A uuid is used once, so giving it up for good is never wrong."""
+        finding 16). A uuid is used once, so giving it up for good is never wrong."""
         uuid = _handles.check_uuid(uuid)
         why = why or f"a member gave configuration {uuid} up (pid {os.getpid()})"
         self._given_up[uuid] = why
