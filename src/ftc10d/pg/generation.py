@@ -415,12 +415,16 @@ class PendingRendezvous:
     thread, because the waiting thread holds the first one inside ``wait``.
     """
 
-    def __init__(self, store: dist.Store, plan: Plan) -> None:
+    def __init__(self, store: dist.Store, plan: Plan, given_up: Optional[str] = None) -> None:
         self.store = store
         self.plan = plan
         self.keys = rank_keys(plan)
-        self.why = ""
+        self.why = given_up or ""
         self.abandoned = threading.Event()
+        if given_up is not None:
+            # Given up before it began: the rendezvous writes the tombstones itself, on its
+            # own connection, before it waits; no second connection is needed.
+            self.abandoned.set()
 
     def abandon(self, why: str) -> None:
         """Give the rendezvous up (idempotent; returns at once)."""

@@ -22,6 +22,7 @@ name the rank that owned that endpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -29,7 +30,7 @@ import socket
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch.distributed as dist
 
@@ -65,16 +66,36 @@ class _PairSocket:
         return self.remote is None
 
 
-def _describe(fd: int, inode: int) -> Optional[_PairSocket]:
-    """Return the record for ``fd`` or None if it is not a TCP socket (pair or listener)."""
+@contextlib.contextmanager
+def _borrowed_socket(fd: int, inode: int) -> Iterator[Optional[socket.socket]]:
+    """A socket object over a duplicate of ``fd`` while it still is the socket ``inode``
+    names, else None: Gloo may have closed it, and the process may have reused the number
+    for anything (a pipe, another socket). Checked before wrapping: wrapping a non-socket
+    raises ENOTSOCK (chaos finding 15). Gloo's own descriptor is never closed here."""
     try:
         dup = os.dup(fd)
     except OSError:
-        return None
+        yield None
+        return
+    s: Optional[socket.socket] = None
     try:
-        if os.fstat(dup).st_ino != inode:
+        if os.fstat(dup).st_ino == inode:
+            try:
+                s = socket.socket(fileno=dup)
+            except OSError:
+                s = None
+        yield s
+    finally:
+        if s is not None:
+            s.detach()  # ``dup`` is closed below, once
+        os.close(dup)
+
+
+def _describe(fd: int, inode: int) -> Optional[_PairSocket]:
+    """Return the record for ``fd`` or None if it is not a TCP socket (pair or listener)."""
+    with _borrowed_socket(fd, inode) as s:
+        if s is None:
             return None
-        s = socket.socket(fileno=dup)
         try:
             if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
                 return None
@@ -84,12 +105,8 @@ def _describe(fd: int, inode: int) -> Optional[_PairSocket]:
             remote = s.getpeername()[:2]
         except OSError:
             return None
-        finally:
-            s.detach()
-        return _PairSocket(fd=fd, inode=inode, local=(str(local[0]), int(local[1])),
-                           remote=(str(remote[0]), int(remote[1])))
-    finally:
-        os.close(dup)
+    return _PairSocket(fd=fd, inode=inode, local=(str(local[0]), int(local[1])),
+                       remote=(str(remote[0]), int(remote[1])))
 
 
 def _create_device() -> dist.ProcessGroupGloo.Device:
@@ -138,29 +155,18 @@ class GlooCommunicator:
     def shutdown_pairs(self) -> int:
         """Shut down every pair socket still open; returns how many were cut.
 
-        Never raises: Gloo may have closed a pair and the process reused its descriptor
-        number for anything (a pipe, a file), and an abort that raised half-way would leave
-        the configuration's pending ops undrained and its waiters blocked (chaos finding 15).
-        """
+        Never raises: an abort that raised half-way would leave the configuration's
+        pending ops undrained and its waiters blocked (chaos finding 15)."""
         cut = 0
         for p in self._pairs:
-            try:
-                dup = os.dup(p.fd)
-            except OSError:
-                continue  # Gloo already closed it
-            try:
-                if os.fstat(dup).st_ino != p.inode:
-                    continue  # descriptor number reused by someone else
-                s = socket.socket(fileno=dup)
+            with _borrowed_socket(p.fd, p.inode) as s:
+                if s is None:
+                    continue  # closed by Gloo, or the number now names something else
                 try:
                     s.shutdown(socket.SHUT_RDWR)
                     cut += 1
-                finally:
-                    s.detach()  # ``dup`` is closed below, once
-            except OSError:
-                pass  # already disconnected, or no socket any more
-            finally:
-                os.close(dup)
+                except OSError:
+                    pass  # already disconnected
         return cut
 
     def peer_of_endpoint(self, message: str) -> Optional[int]:

@@ -261,10 +261,8 @@ class ProcessGroup(dist.ProcessGroup):
             old = self._gen
             if old is not None:
                 old.abort(ErrorType.COMM_ERROR, f"reconfigured to generation {plan.uuid}")
-            self._pending = PendingRendezvous(self._store, plan)
-            why = self._given_up.pop(plan.uuid, None)
-            if why is not None:  # given up before it began: the waits below end at once
-                self._pending.abandon(why)
+            # given up before it began (abandon_reconfigure): the waits below end at once
+            self._pending = PendingRendezvous(self._store, plan, given_up=self._given_up.pop(plan.uuid, None))
             try:
                 gen = rendezvous(self._store, plan, c10d.global_rank(self), self._timeout, self._fire_abort_hooks,
                                  self._pending)
