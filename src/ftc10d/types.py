@@ -444,5 +444,24 @@ class JobFinished(MembershipError):
         self.held = held
 
 
+class ReplicaDivergenceError(FTC10DError):
+    """Replicas that should hold bitwise-identical state do not: their state fingerprints,
+    compared across the group (in the commit vote every ``check_every`` steps, and after
+    every configuration change), differ. Training on would silently average gradients of
+    different models, so every rank of the group raises this at the same step instead.
+
+    ``step`` is the committed step the fingerprints describe; ``groups`` maps each distinct
+    fingerprint to the ranks (of the current configuration) that hold it; ``ranks`` lists
+    the ranks outside the largest group (the likely divergent ones; with a tie, all but
+    the group of the lowest rank)."""
+
+    def __init__(self, message: str, *, step: int = -1, groups: Optional[dict[str, list[int]]] = None,
+                 ranks: Optional[list[int]] = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.groups = dict(groups or {})
+        self.ranks = list(ranks or [])
+
+
 class StoreUnavailableError(MembershipError, ConnectionError):
     """The membership store could not be reached (all endpoints tried)."""

@@ -39,7 +39,7 @@ from torch import nn
 
 from ftc10d.membership import Member
 from ftc10d.train.ddp import DistributedDataParallel
-from ftc10d.train.recovery import make_plan, transfer
+from ftc10d.train.recovery import Plan, make_plan, transfer
 from ftc10d.train.state import StateFormatError, fingerprint, state_hash
 from ftc10d.types import (
     CollectiveError,
@@ -48,6 +48,7 @@ from ftc10d.types import (
     InvalidOptionError,
     JobFinished,
     MembershipTimeoutError,
+    ReplicaDivergenceError,
     StateLostError,
     StoreUnavailableError,
 )
@@ -55,6 +56,16 @@ from ftc10d.types import (
 logger = logging.getLogger("ftc10d")
 
 Listener = Callable[[str, dict[str, Any]], None]
+#: A fingerprint travels in the vote as this many 16-bit words (exact in a float32 bucket).
+FP_WORDS = 3
+
+
+def _split_words(value: int) -> list[int]:
+    return [(value >> (16 * i)) & 0xFFFF for i in range(FP_WORDS)]
+
+
+def _join_words(words: list[int]) -> int:
+    return sum((int(w) & 0xFFFF) << (16 * i) for i, w in enumerate(words))
 _RESERVED = "ftc10d"
 #: The membership fact a Manager records at its first commit (see StateLostError).
 _FACT = "train"
@@ -74,16 +85,27 @@ class Manager:
     """
 
     def __init__(self, pg: Any, member: Member, *, rejoin_if_fenced: bool = True,
-                 sync_timeout: float = 300.0, vote: str = "fused") -> None:
+                 sync_timeout: float = 300.0, vote: str = "fused", check_every: int = 100) -> None:
         if vote not in ("fused", "separate"):
             raise InvalidOptionError(f"vote={vote!r}: choose 'fused' (with the gradients) or 'separate'")
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
+            raise InvalidOptionError(f"check_every={check_every!r}: a number of steps >= 0 (0: compare the replicas' "
+                                     "fingerprints only at configuration changes)")
         self.vote = vote
+        self.check_every = check_every
         self.pg = pg
         self.member = member
         self.rejoin_if_fenced = rejoin_if_fenced
         self.sync_timeout = sync_timeout
         #: Number of committed steps (restored on joiners with the rest of the state).
         self.step = 0
+        #: Membership epoch of the configuration that committed the last applied step (with
+        #: ``step``, the identity of the state: see the module docstring).
+        self.commit_epoch = 0
+        #: Epoch of the configuration ``pg`` was last synchronized onto by this Manager.
+        self._cfg_epoch = 0
+        #: This rank's fingerprint words, when this step's vote compares the replicas.
+        self._check: Optional[list[int]] = None
         self._synced = False
         self._exchanged_uuid: Optional[int] = None
         self._target_epoch = 0
@@ -93,12 +115,18 @@ class Manager:
         self._ddps: list[DistributedDataParallel] = []
         self._vote_opts = dist.AllreduceOptions()
         self._vote_opts.reduceOp = dist.ReduceOp.MAX
-        #: (anyone failed, newest epoch) from this step's fused vote, once it completed.
-        self._fused: Optional[tuple[bool, int]] = None
+        #: (anyone failed, newest epoch, every rank's fingerprint or None) from this step's
+        #: fused vote, once it completed.
+        self._fused: Optional[tuple[bool, int, Optional[list[int]]]] = None
         self._vetoed: Optional[str] = None
         self._committed_marked = False
         #: True while this rank's vote all-reduce is being issued (fault-injection tests use it).
         self.in_vote = False
+        #: Fault injection (tests, chaos): called on this rank once its vote's collective completed,
+        #: before the outcome is read; a ``CollectiveError`` it raises becomes this rank's outcome.
+        #: It reproduces on purpose what Gloo does by chance when a peer dies mid-operation: the vote
+        #: completed on some ranks and failed on others.
+        self.after_vote: Optional[Callable[[], None]] = None
 
     # ---------------------------------------------------------------- state
 
@@ -128,7 +156,7 @@ class Manager:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a joiner receives: the registered states and the committed step."""
-        out: dict[str, Any] = {_RESERVED: {"step": self.step}}
+        out: dict[str, Any] = {_RESERVED: {"step": self.step, "epoch": self.commit_epoch}}
         for name, (get, _, _) in self._states.items():
             out[name] = get()
         return out
@@ -142,6 +170,7 @@ class Manager:
         for name, (_, load, _) in self._states.items():
             load(state[name])
         self.step = int(state[_RESERVED]["step"])
+        self.commit_epoch = int(state[_RESERVED].get("epoch", 0))
 
     def fingerprint(self) -> str:
         """Equal on two replicas iff (almost surely) their states are bitwise equal; cheap."""
@@ -196,7 +225,8 @@ class Manager:
             try:
                 work = self.pg.allreduce([tensor])
             except (CollectiveError, RuntimeError) as exc:
-                self.note_failure(exc)
+                if not self.note_failure(exc):
+                    raise  # bad input, not a failure: never hand back an unreduced tensor as reduced
             else:
                 size = self.pg.size()
                 return self._when_done(work, tensor, lambda: tensor.div_(size))
@@ -210,12 +240,16 @@ class Manager:
         if (self.vote != "fused" or tensor.dtype not in (torch.float32, torch.float64) or tensor.dim() != 1
                 or self._error is not None):
             return self.allreduce(tensor)
-        n, size = tensor.numel(), self.pg.size()
-        buf = torch.zeros(n + 1 + size, dtype=tensor.dtype)
+        n, size, me = tensor.numel(), self.pg.size(), self.pg.rank()
+        check = self._check
+        fp_at = n + 1 + size  # this step's fingerprint words, FP_WORDS per rank, when it compares replicas
+        buf = torch.zeros(fp_at + (FP_WORDS * size if check is not None else 0), dtype=tensor.dtype)
         buf[:n].copy_(tensor)
         cur = self.member._current
         buf[n] = float(self._vetoed is not None)
-        buf[n + 1 + self.pg.rank()] = float(cur.epoch if cur is not None else 0)
+        buf[n + 1 + me] = float(cur.epoch if cur is not None else 0)
+        if check is not None:  # 16-bit words: exact in any float dtype that holds the vote
+            buf[fp_at + FP_WORDS * me:fp_at + FP_WORDS * (me + 1)] = torch.tensor(check, dtype=tensor.dtype)
         self.in_vote = True
         try:
             work = self.pg.allreduce([buf])
@@ -227,20 +261,38 @@ class Manager:
             self.in_vote = False
 
         def finish() -> torch.Tensor:
-            self._fused = (bool(buf[n].item() > 0), int(buf[n + 1:].max().item()))
+            if self.after_vote is not None:
+                try:
+                    self.after_vote()
+                except CollectiveError as exc:
+                    self._error = self._error or exc
+                    return tensor
+            fps = None
+            if check is not None:
+                words = [int(w) for w in buf[fp_at:].tolist()]
+                fps = [_join_words(words[FP_WORDS * r:FP_WORDS * (r + 1)]) for r in range(size)]
+            self._fused = (bool(buf[n].item() > 0), int(buf[n + 1:fp_at].max().item()), fps)
             return tensor.copy_(buf[:n]).div_(size)
 
         return self._when_done(work, tensor, finish)
 
     def _when_done(self, work: Any, tensor: torch.Tensor, finish: Callable[[], torch.Tensor]) -> torch.futures.Future:
         """``work``'s future, continued by ``finish`` on success; on failure the failure is
-        noted (the step will not commit) and ``tensor`` returned as it is: never fails."""
+        recorded (the step will not commit) and ``tensor`` returned as it is: never fails.
+
+        Any error of this future is a failure of the step's communication, whatever its
+        type: torch's ``Future.then`` turns the typed ``CollectiveError`` into a plain
+        ``RuntimeError``, and the configuration's abort runs on another thread, so neither
+        the type nor ``get_error()`` can be relied on here. (Deciding by them once let a
+        rank take a failed bucket's unreduced gradient as reduced and commit it while the
+        vote, on Gloo's other worker thread, had passed: a diverged replica.)"""
 
         def done(fut: torch.futures.Future) -> torch.Tensor:
             try:
                 fut.value()
             except Exception as exc:
-                self.note_failure(exc)
+                if self._error is None:
+                    self._error = exc
                 return tensor
             return finish()
 
@@ -281,6 +333,10 @@ class Manager:
         if (cur is None or cur.uuid != self.pg.uuid or cur.epoch < self._target_epoch
                 or self._exchanged_uuid != self.pg.uuid or self.pg.get_error() != ErrorType.SUCCESS):
             self._recover()
+        # Every participant of this step holds the same committed step (recovery made them
+        # equal), so all of them decide alike whether this step's vote compares the replicas.
+        self._check = (_split_words(self._fingerprint48())
+                       if self.check_every and self.step % self.check_every == 0 else None)
 
     def should_commit(self, ok: bool = True) -> bool:
         """The vote: True on every participant that completes it iff no participant failed
@@ -289,41 +345,88 @@ class Manager:
         then applied here too (invariant 1 first), with a warning."""
         if not ok and self._vetoed is None:
             self._vetoed = "should_commit(ok=False)"
-        failed = int(self._vetoed is not None or self._error is not None
-                     or self.pg.get_error() != ErrorType.SUCCESS)
-        if self.pg.get_error() != ErrorType.SUCCESS or (self._error is not None and self._fused is not None):
-            return self._abort_step(f"the group failed during the step: {self._error}")
+        if self._error is not None or self.pg.get_error() != ErrorType.SUCCESS:
+            # This rank's communication failed: it issues nothing more on this configuration (an
+            # op the others did not issue would pair with their next one) and aborts it, so that
+            # whoever still waits in it fails now. The others decide alike or, if their vote
+            # completed, commit: recovery then brings this rank to their step.
+            return self._abort_step(f"the group failed during the step: {self._error or 'aborted'}")
+        failed = int(self._vetoed is not None)
         fused, self._fused = self._fused, None
         if fused is not None:  # voted with the last gradient bucket
             anyone_failed, self._target_epoch = fused[0], max(self._target_epoch, fused[1])
+            if fused[2] is not None:
+                self._compare(fused[2], "in the commit vote")
             if anyone_failed:
                 return self._abort_step("a participant vetoed the step")
             if failed:
                 logger.warning("manager: step %d was vetoed here (%s) after it was voted with the gradients; it is "
                                "applied like on every other rank. Under vote='fused' call manager.veto() before "
                                "loss.backward(), or create the Manager with vote='separate'", self.step, self._vetoed)
-            self.step += 1
-            self._mark_committed()
+            self._commit()
             return True
         cur = self.member._current
-        vote = torch.tensor([failed, cur.epoch if cur is not None else 0], dtype=torch.int64)
+        check = self._check
+        # (failed, epoch) and, when this step compares the replicas, one fingerprint slot per rank (MAX of 0s
+        # and the one value written).
+        vote = torch.zeros(2 + (self.pg.size() if check is not None else 0), dtype=torch.int64)
+        vote[0], vote[1] = failed, cur.epoch if cur is not None else 0
+        if check is not None:
+            vote[2 + self.pg.rank()] = _join_words(check)
         self.in_vote = True
         try:
             self.pg.allreduce([vote], self._vote_opts).wait()
+            if self.after_vote is not None:
+                self.after_vote()
         except CollectiveError as exc:
             self._error = exc
             return self._abort_step(f"the vote failed: {exc}")
         finally:
             self.in_vote = False
         self._target_epoch = int(vote[1])
+        if check is not None:
+            self._compare([int(v) for v in vote[2:].tolist()], "in the commit vote")
         if int(vote[0]):
             return self._abort_step(str(self._error) if self._error is not None
                                     else f"a participant voted against committing ({self._vetoed or 'not this one'})")
-        self.step += 1
-        self._mark_committed()
+        self._commit()
         return True
 
+    def _commit(self) -> None:
+        """The vote passed: the step is applied here, in the current configuration."""
+        self.step += 1
+        self.commit_epoch = self._cfg_epoch
+        self._mark_committed()
+
+    def _fingerprint48(self) -> int:
+        """This rank's state fingerprint, 48 bits (three 16-bit words fit a float vote exactly)."""
+        return int(self.fingerprint(), 16) & ((1 << (16 * FP_WORDS)) - 1)
+
+    def _compare(self, fps: list[int], where: str) -> None:
+        """Raise :class:`ReplicaDivergenceError` on every rank if the replicas' fingerprints
+        (one per rank, all ranks see the same list) differ."""
+        groups: dict[str, list[int]] = {}
+        for r, v in enumerate(fps):
+            groups.setdefault(f"{v:012x}", []).append(r)
+        if len(groups) <= 1:
+            return
+        largest = max(groups.values(), key=lambda rs: (len(rs), -rs[0]))
+        odd = sorted(r for rs in groups.values() if rs is not largest for r in rs)
+        self._emit("diverged", step=self.step, epoch=self._cfg_epoch, groups=groups, ranks=odd)
+        msg = (f"replicas diverged: {where} of step {self.step} (epoch {self._cfg_epoch}), the {len(fps)} ranks hold "
+               f"{len(groups)} distinct states (fingerprint: ranks {groups}); ranks {odd} differ from the most common "
+               "one. Training on would average gradients of different models, so the job stops here: restore from a "
+               "checkpoint or restart it. Check that every registered state is the same on every replica (no "
+               "per-rank values) and that the update is deterministic; otherwise report it with the event logs")
+        logger.error("manager: %s", msg)
+        raise ReplicaDivergenceError(msg, step=self.step, groups=groups, ranks=odd)
+
     def _abort_step(self, why: str) -> bool:
+        if self._error is not None and self.pg.get_error() == ErrorType.SUCCESS:
+            # This rank's communication failed but its configuration is not aborted (yet: the
+            # abort may still run on another thread). Abort it now: the step must be redone on
+            # a fresh configuration, never resumed on this one out of step with the others.
+            self.pg.abort()
         logger.info("manager: step %d not committed: %s", self.step, why)
         self._emit("aborted_step", step=self.step, error=why)
         return False
@@ -339,7 +442,8 @@ class Manager:
         logger.warning("manager: fenced at epoch %s; rejoined as member %s", exc.epoch, self.member.id)
 
     def _recover(self) -> None:
-        """Until it succeeds: newest configuration, reconfigure, plan, transfer, rebuild DDP."""
+        """Until it succeeds: newest configuration, reconfigure, plan, transfer, compare the
+        replicas, rebuild DDP."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.sync_timeout
         while True:
@@ -349,8 +453,9 @@ class Manager:
                 if cur is not None and cur.epoch < self._target_epoch:
                     self.member.wait_next(self._target_epoch - 1, timeout=left)
                 cfg = self.member.sync(self.pg, timeout=left)
-                plan = make_plan(self.pg, self.step, self._synced)
-                held = max((st for st, ok in zip(plan.steps, plan.synced) if ok), default=-1)
+                self._cfg_epoch = cfg.epoch
+                plan = make_plan(self.pg, self.step, self._synced, self.commit_epoch)
+                held = plan.step if any(plan.synced) else -1
                 job_step, closed_step = self._job_progress()
                 if held < job_step:
                     self._wait_for_state(cfg, held, job_step, closed_step, deadline)
@@ -358,20 +463,14 @@ class Manager:
                 # A rank that was never synced (a joiner) may be overwritten while its state arrives.
                 state, nbytes, secs = transfer(self.pg, plan, self.state_dict,
                                                None if self._synced else self.state_dict)
+                self._received(plan, state, nbytes, secs)
+                self._verify_replicas()
             except Fenced as exc:
                 self._on_fenced(exc)
                 continue
             except CollectiveError as exc:
                 logger.warning("manager: recovery interrupted (%s); waiting for the next configuration", exc)
                 continue
-            if state is not None:
-                self.load_state_dict(state)
-                self._emit("recovered", source=plan.source, bytes=nbytes, seconds=secs, step=self.step)
-                logger.info("manager: received state of step %d from rank %d (%d bytes, %.1f ms)",
-                            self.step, plan.source, nbytes, secs * 1000)
-            elif plan.needed and self.rank == plan.source:
-                self._emit("sent_state", to=plan.recipients, bytes=nbytes, seconds=secs, step=self.step)
-            self._synced = True
             self._exchanged_uuid = self.pg.uuid
             self._target_epoch = max(self._target_epoch, cfg.epoch)
             for wrapper in self._ddps:
@@ -379,6 +478,37 @@ class Manager:
             self._emit("reconfigured", epoch=cfg.epoch, uuid=cfg.uuid, rank=self.rank, world_size=self.world_size,
                        seconds=time.perf_counter() - t0)
             return
+
+    def _received(self, plan: Plan, state: Optional[dict[str, Any]], nbytes: int, secs: float) -> None:
+        """Adopt the state a transfer brought (if any) and say what moved."""
+        if plan.diverged and self.rank in plan.diverged + [plan.source]:
+            logger.warning("manager: rank(s) %s applied %d steps, the last in epoch(s) %s, but the job went on from "
+                           "the state committed in epoch %d (rank %d): their last step is rolled back",
+                           plan.diverged, plan.step, sorted({plan.epochs[r] for r in plan.diverged}), plan.epoch,
+                           plan.source)
+        if state is not None:
+            before = (self.step, self.commit_epoch)
+            self.load_state_dict(state)
+            extra = {"rolled_back": list(before)} if self.rank in plan.diverged or before[0] > self.step else {}
+            self._emit("recovered", source=plan.source, bytes=nbytes, seconds=secs, step=self.step,
+                       epoch=self.commit_epoch, **extra)
+            logger.info("manager: received state of step %d from rank %d (%d bytes, %.1f ms)",
+                        self.step, plan.source, nbytes, secs * 1000)
+        elif plan.needed and self.rank == plan.source:
+            self._emit("sent_state", to=plan.recipients, bytes=nbytes, seconds=secs, step=self.step)
+        self._synced = True
+
+    def _verify_replicas(self) -> None:
+        """After a configuration change: every rank's (fingerprint, step, commit epoch) in one
+        all-reduce; any difference raises :class:`ReplicaDivergenceError` on every rank."""
+        mine = torch.zeros(self.pg.size(), 3, dtype=torch.int64)
+        mine[self.pg.rank()] = torch.tensor([self._fingerprint48(), self.step, self.commit_epoch])
+        self.pg.allreduce([mine]).wait()
+        rows = [tuple(int(v) for v in row) for row in mine.tolist()]
+        if len(set(rows)) > 1:
+            # Equal fingerprints with other (step, epoch): name the difference by the whole row.
+            self._compare([(r[0] if len({x[1:] for x in rows}) == 1 else hash(r) & ((1 << 48) - 1)) for r in rows],
+                          "after the configuration change")
 
     def _job_progress(self) -> tuple[int, int]:
         """The most advanced committed step the job is known to have reached (recorded with

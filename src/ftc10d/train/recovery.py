@@ -7,13 +7,21 @@ to set up, secure or tune, and the bytes move at Gloo's rate. One joiner gets a
 point-to-point send from one source; several get one broadcast.
 
 The plan is computed identically on every rank from one all-reduce of
-``(committed step, synced)`` per rank: the source is the lowest rank holding
-the highest committed step among ranks that hold synchronized state, and every
-rank that is not synchronized or is behind receives. A rank ahead of the others
-is possible: if a member died during the commit vote, some survivors may have
-seen the unanimous vote and applied the step while others saw the failure;
-bringing everyone to the highest step makes that step applied by all
-(invariant 1).
+``(committed step, synced, commit epoch)`` per rank. A synchronized rank's state
+is named by its *identity* ``(commit epoch, step)``: ``step`` counts the steps
+applied, ``commit epoch`` is the membership epoch of the configuration in which
+the last of them was committed (inherited from the source when the state was
+received). The target is the greatest identity among synchronized ranks
+(ordered by epoch, then step), the source the lowest rank holding it, and every
+rank that is not synchronized or holds another identity receives.
+
+Why the epoch and not the counter alone (``Manager``'s docstring has the whole
+argument): a step counter names a state only within one history. A rank that
+applied step ``s`` alone (the others saw the vote fail) and was then left out of
+the next configuration is at ``s + 1``; the others redo step ``s`` without it and
+are at ``s + 1`` too, with another state. Equal counters, different states: a
+plan on counters moves nothing and the replicas stay diverged for the rest of the
+run. The commit epochs differ, and the later configuration's history wins.
 """
 
 from __future__ import annotations
@@ -52,30 +60,43 @@ class Plan:
 
     source: int
     recipients: list[int]
+    #: The target identity: the source's step and commit epoch.
     step: int
     steps: list[int] = field(default_factory=list)
     synced: list[bool] = field(default_factory=list)
+    epoch: int = 0
+    epochs: list[int] = field(default_factory=list)
 
     @property
     def needed(self) -> bool:
         return bool(self.recipients)
 
+    @property
+    def diverged(self) -> list[int]:
+        """Synchronized ranks whose state was applied with as many steps as the target's
+        but in another configuration: a history the job does not continue (they receive)."""
+        return [r for r, (s, f, e) in enumerate(zip(self.steps, self.synced, self.epochs))
+                if f and s == self.step and e != self.epoch]
 
-def make_plan(pg: Any, step: int, synced: bool) -> Plan:
-    """One all-reduce of every rank's (step, synced); the same plan on every rank."""
-    info = torch.zeros(pg.size(), 2, dtype=torch.int64)
+
+def make_plan(pg: Any, step: int, synced: bool, epoch: int = 0) -> Plan:
+    """One all-reduce of every rank's (step, synced, commit epoch); the same plan on every rank."""
+    info = torch.zeros(pg.size(), 3, dtype=torch.int64)
     info[pg.rank(), 0] = step
     info[pg.rank(), 1] = int(synced)
+    info[pg.rank(), 2] = epoch
     pg.allreduce([info]).wait()
     steps = [int(s) for s in info[:, 0].tolist()]
     flags = [bool(f) for f in info[:, 1].tolist()]
+    epochs = [int(e) for e in info[:, 2].tolist()]
     if not any(flags):
         # A fresh job: rank 0's state is the truth, as for DDP's construction-time broadcast.
-        return Plan(0, list(range(1, len(steps))), steps[0], steps, flags)
-    target = max(s for s, f in zip(steps, flags) if f)
-    source = min(r for r, (s, f) in enumerate(zip(steps, flags)) if f and s == target)
-    recipients = [r for r, (s, f) in enumerate(zip(steps, flags)) if r != source and (not f or s != target)]
-    return Plan(source, recipients, target, steps, flags)
+        return Plan(0, list(range(1, len(steps))), steps[0], steps, flags, epochs[0], epochs)
+    ids = [(e, s) for s, e in zip(steps, epochs)]
+    target = max(i for i, f in zip(ids, flags) if f)
+    source = min(r for r, (i, f) in enumerate(zip(ids, flags)) if f and i == target)
+    recipients = [r for r, (i, f) in enumerate(zip(ids, flags)) if r != source and (not f or i != target)]
+    return Plan(source, recipients, target[1], steps, flags, target[0], epochs)
 
 
 def transfer(pg: Any, plan: Plan, get_state: Callable[[], Any],
