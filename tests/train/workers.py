@@ -21,7 +21,7 @@ def train_worker(rank: int, world: int, port: int, coordinator: str, opts: dict[
     _log_to(rank)
     control = client_store(port)
     pg, member = init_from_env()
-    out = train_loop(pg, member, opts, control.set, rank, lambda key: control.add(key, 1) == 1)
+    out = train_loop(pg, member, opts, control.set, rank, lambda key: control.add(key, 1) == 1, store=control)
     manager = out.pop("manager")
     # Stay until every worker finished, so that a fast one leaving does not fail the others' last step.
     control.add("finished", 1)
