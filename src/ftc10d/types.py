@@ -453,14 +453,16 @@ class ReplicaDivergenceError(FTC10DError):
     ``step`` is the committed step the fingerprints describe; ``groups`` maps each distinct
     fingerprint to the ranks (of the current configuration) that hold it; ``ranks`` lists
     the ranks outside the largest group (the likely divergent ones; with a tie, all but
-    the group of the lowest rank)."""
+    the group of the lowest rank); ``members`` their membership ids (ranks change from one
+    configuration to the next, member ids do not)."""
 
     def __init__(self, message: str, *, step: int = -1, groups: Optional[dict[str, list[int]]] = None,
-                 ranks: Optional[list[int]] = None) -> None:
+                 ranks: Optional[list[int]] = None, members: Optional[list[str]] = None) -> None:
         super().__init__(message)
         self.step = step
         self.groups = dict(groups or {})
         self.ranks = list(ranks or [])
+        self.members = list(members or [])
 
 
 class StoreUnavailableError(MembershipError, ConnectionError):

@@ -15,15 +15,6 @@ from ftc10d.chaos.etcd import ETCD, SKIP_REASON, EtcdCluster
 needs_etcd = pytest.mark.skipif(ETCD is None, reason=SKIP_REASON)
 
 
-@pytest.fixture
-def coordinator() -> Iterator[Coordinator]:
-    """A coordinator in the test process; members watch each other (its detector is off)."""
-    co = Coordinator(detect=False).start()
-    try:
-        yield co
-    finally:
-        co.close()
-
 
 @pytest.fixture
 def etcd1() -> Iterator[EtcdCluster]:

@@ -93,6 +93,8 @@ def train_loop(pg: Any, member: Any, opts: dict[str, Any], publish: Callable[[st
     if opts.get("kill_after_vote"):
         _kill_after_vote(manager, opts["kill_after_vote"], rank, store)
     opt = ManagedOptimizer(manager, optim)
+    corrupt = opts.get("corrupt", {})  # {"rank": r, "step": s}: rank r alters its model after committing step s
+    publish(f"member/{rank}", manager.member.id)
     steps, aborted = opts["steps"], 0
     veto = opts.get("veto", {}).get(str(rank))  # {"step": s}: veto step s once, before backward
     while manager.step < steps:
@@ -108,6 +110,9 @@ def train_loop(pg: Any, member: Any, opts: dict[str, Any], publish: Callable[[st
             publish(f"progress/{os.getpid()}", str(manager.step))
             if after_commit is not None:
                 after_commit()
+            if corrupt.get("rank") == rank and manager.step == corrupt["step"]:
+                with torch.no_grad():
+                    model.net[0].weight[0, 0] += 1e-3
         else:
             aborted += 1
         time.sleep(opts.get("interval", 0.0))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Iterator
 
 import pytest
 import torch.distributed as dist
@@ -19,14 +18,6 @@ from ftc10d.membership import Coordinator
 from tests.harness import Job, start
 from tests.train.workers import train_worker
 
-
-@pytest.fixture
-def coordinator() -> Iterator[Coordinator]:
-    co = Coordinator(detect=False).start()
-    try:
-        yield co
-    finally:
-        co.close()
 
 
 def progress(store: dist.TCPStore, pid: int) -> int:

@@ -18,27 +18,32 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Iterator
 
 import pytest
 
 from ftc10d.membership import Coordinator
 from tests.harness import start
-from tests.train.test_manager import check_invariant, progress
+from tests.train.test_manager import check_invariant, progress, wait_progress
 from tests.train.workers import train_worker
-
-
-@pytest.fixture
-def coordinator() -> Iterator[Coordinator]:
-    co = Coordinator(detect=False).start()
-    try:
-        yield co
-    finally:
-        co.close()
 
 
 def _events(result: dict, kind: str) -> list[dict]:
     return [e[2] for e in result["events"] if e[1] == kind]
+
+
+def _run_with_victim(coordinator: Coordinator, world: int, victim: int, opts: dict) -> dict:
+    """Run the job to the end; the victim must have been SIGKILLed. Checks invariant 1 over the
+    survivors and the victim's committed steps; returns the survivors' results."""
+    job = start(train_worker, world, coordinator.address, {"finishers": world - 1, **opts})
+    try:
+        results = job.collect([r for r in range(world) if r != victim], timeout=120)
+    finally:
+        job.close()
+    assert job.procs[victim].exitcode == -signal.SIGKILL
+    pids = [r["pid"] for r in results.values()] + [job.pid(victim)]
+    assert check_invariant(job.store, pids, opts["steps"]) >= opts["steps"] - 1
+    assert len({r["final"] for r in results.values()}) == 1, "live replicas differ at the end"
+    return results
 
 
 @pytest.mark.parametrize("world", [3, 4])
@@ -47,19 +52,10 @@ def test_a_bucket_that_fails_after_the_vote_passed_is_not_committed(coordinator:
     victim dies. A survivor must not take its failed bucket's unreduced gradient for the average
     (the error reaches the Manager as a plain RuntimeError through torch's Future.then, and the
     configuration's abort, slowed by an abort hook, has not finished yet)."""
-    steps, victim, step = 8, world - 1, 3
-    opts = {"steps": steps, "finishers": world - 1, "big": 8 << 20,
-            "kill_after_vote": {"step": step, "victim": victim, "world": world, "abort_hook_s": 0.5}}
-    job = start(train_worker, world, coordinator.address, opts)
-    try:
-        survivors = [r for r in range(world) if r != victim]
-        results = job.collect(survivors, timeout=40)
-    finally:
-        job.close()
-    assert job.procs[victim].exitcode == -signal.SIGKILL
-    pids = [r["pid"] for r in results.values()] + [job.pid(victim)]
-    assert check_invariant(job.store, pids, steps) >= steps - 1
-    assert len({r["final"] for r in results.values()}) == 1, "live replicas differ at the end"
+    victim, step = world - 1, 3
+    results = _run_with_victim(coordinator, world, victim, {
+        "steps": 8, "big": 8 << 20,
+        "kill_after_vote": {"step": step, "victim": victim, "world": world, "abort_hook_s": 0.5}})
     # The fault hit: some survivor saw the step fail although its vote had passed.
     hit = [r for r, v in results.items() if any(e["step"] == step for e in _events(v, "aborted_step"))]
     assert hit, {r: [(e[1], e[2].get("step")) for e in v["events"]] for r, v in results.items()}
@@ -69,18 +65,9 @@ def test_a_bucket_that_fails_after_the_vote_passed_is_not_committed(coordinator:
 def test_a_vote_that_completed_on_some_ranks_only(coordinator: Coordinator, vote: str, world: int) -> None:
     """Rank 0 sees the vote of step 4 fail, the others (but the victim) commit it; the victim dies.
     The survivors reconfigure together and rank 0 receives the step it missed."""
-    steps, victim, step = 10, world - 1, 4
-    split = {"step": step, "losers": [0], "victim": victim, "world": world}
-    job = start(train_worker, world, coordinator.address,
-                {"steps": steps, "finishers": world - 1, "vote": vote, "split_vote": split})
-    try:
-        results = job.collect([r for r in range(world) if r != victim], timeout=120)
-    finally:
-        job.close()
-    assert job.procs[victim].exitcode == -signal.SIGKILL
-    pids = [r["pid"] for r in results.values()] + [job.pid(victim)]
-    assert check_invariant(job.store, pids, steps) >= steps - 1
-    assert len({r["final"] for r in results.values()}) == 1, "live replicas differ at the end"
+    victim, step = world - 1, 4
+    results = _run_with_victim(coordinator, world, victim, {
+        "steps": 10, "vote": vote, "split_vote": {"step": step, "losers": [0], "victim": victim, "world": world}})
     assert [e for e in _events(results[0], "aborted_step") if e["step"] == step], "rank 0 must not commit step 4"
     got = [e for e in _events(results[0], "recovered") if e["step"] == step + 1]
     assert got, "rank 0 must receive the step it missed from a rank that applied it"
@@ -119,3 +106,32 @@ def test_a_winner_left_out_while_the_others_redo_the_step_rolls_it_back(coordina
     assert "fenced" in [e[1] for e in results[2]["events"]]
     back = [e for e in _events(results[2], "recovered") if e.get("rolled_back")]
     assert back and back[0]["rolled_back"][0] == step + 1, _events(results[2], "recovered")
+
+
+@pytest.mark.parametrize("where", ["vote", "reconfigure"])
+def test_a_diverged_replica_stops_the_job_naming_it(coordinator: Coordinator, where: str) -> None:
+    """Rank 1 changes one parameter after committing step 6 (a bit flip, or a bug that updates one
+    replica only). The replicas' fingerprints are compared in the vote of every 5th step
+    (``check_every=5``: the vote of step 10 finds it) or, with ``check_every=0``, after the next
+    configuration change (rank 3 is killed): every rank raises ReplicaDivergenceError naming rank 1,
+    instead of training on with different models."""
+    world = 4
+    opts = {"steps": 30, "interval": 0.02, "corrupt": {"rank": 1, "step": 6},
+            "check_every": 5 if where == "vote" else 0}
+    job = start(train_worker, world, coordinator.address, opts)
+    try:
+        if where == "reconfigure":
+            wait_progress(job, 1, 8)
+            job.signal(3, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while sum(p.exitcode is not None for p in job.procs) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(AssertionError) as info:
+            job.collect([0, 1, 2], timeout=10)
+    finally:
+        job.close()
+    text = str(info.value)
+    assert all(f"[rank {r}] ReplicaDivergenceError: replicas diverged" in text for r in (0, 1, 2)), text
+    bad = job.store.get("member/1").decode()
+    assert f"(members ['{bad}']) differ from the most common one" in text, text
+    assert ("in the commit vote of step 10" if where == "vote" else "after the configuration change") in text, text

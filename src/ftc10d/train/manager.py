@@ -412,14 +412,17 @@ class Manager:
             return
         largest = max(groups.values(), key=lambda rs: (len(rs), -rs[0]))
         odd = sorted(r for rs in groups.values() if rs is not largest for r in rs)
-        self._emit("diverged", step=self.step, epoch=self._cfg_epoch, groups=groups, ranks=odd)
+        cur = self.member._current
+        ids = list(cur.members) if cur is not None and cur.epoch == self._cfg_epoch else []
+        members = [ids[r] if r < len(ids) else "?" for r in odd]
+        self._emit("diverged", step=self.step, epoch=self._cfg_epoch, groups=groups, ranks=odd, members=members)
         msg = (f"replicas diverged: {where} of step {self.step} (epoch {self._cfg_epoch}), the {len(fps)} ranks hold "
-               f"{len(groups)} distinct states (fingerprint: ranks {groups}); ranks {odd} differ from the most common "
-               "one. Training on would average gradients of different models, so the job stops here: restore from a "
+               f"{len(groups)} distinct states (fingerprint: ranks {groups}); ranks {odd} (members {members}) differ "
+               "from the most common one. Training on would average gradients of different models, so the job stops here: restore from a "
                "checkpoint or restart it. Check that every registered state is the same on every replica (no "
                "per-rank values) and that the update is deterministic; otherwise report it with the event logs")
         logger.error("manager: %s", msg)
-        raise ReplicaDivergenceError(msg, step=self.step, groups=groups, ranks=odd)
+        raise ReplicaDivergenceError(msg, step=self.step, groups=groups, ranks=odd, members=members)
 
     def _abort_step(self, why: str) -> bool:
         if self._error is not None and self.pg.get_error() == ErrorType.SUCCESS:
