@@ -294,6 +294,8 @@ def launch(args: argparse.Namespace) -> int:
              "cluster each trial starts on loopback (adds the etcd fault: one member SIGKILLed and restarted; "
              "needs the etcd binary and pip install 'ftc10d[etcd]'; --hosts 1 only)"),
     arg("--keep", action="store_true", help="keep the event files and logs of survived trials too"),
+    arg("--weight", action="append", default=[], metavar="KIND=N",
+        help="draw fault KIND N times as often as the others (repeatable; N=0: never), e.g. --weight die_vote=3"),
 )
 def chaos(args: argparse.Namespace) -> int:
     """Each trial launches the job through the launcher (warm spare included), injects a
@@ -322,13 +324,19 @@ def chaos(args: argparse.Namespace) -> int:
         if ETCD is None:
             args.parser.error(f"--membership etcd: {SKIP_REASON}")
     from ftc10d.chaos import runner
-    from ftc10d.chaos.schedule import ScheduleError
+    from ftc10d.chaos.schedule import KINDS, ScheduleError
 
+    weights: dict[str, int] = {}
+    for item in args.weight:
+        kind, _, n = item.partition("=")
+        if kind not in KINDS or not n.isdigit():
+            args.parser.error(f"--weight {item!r}: give KIND=N with KIND one of {', '.join(KINDS)} and N >= 0")
+        weights[kind] = int(n)
     command = "ftc10d " + " ".join(sys.argv[1:])
     try:
         return runner.run(trials=args.trials, seed=args.seed, out=args.out, replay=args.replay, hosts=args.hosts,
                           world_size=args.world_size, steps=args.steps, heartbeat_timeout=args.heartbeat_timeout,
-                          keep=args.keep, command=command, membership=args.membership)
+                          keep=args.keep, command=command, membership=args.membership, weights=weights)
     except ScheduleError as exc:
         args.parser.error(str(exc))
         return 2

@@ -21,7 +21,7 @@ from ftc10d.chaos.etcd import ETCD, SKIP_REASON
 from ftc10d.chaos.schedule import draw, trial_seeds
 
 ROOT = Path(__file__).resolve().parents[2]
-SEED, TRIALS, STEPS = 6, 2, 100
+SEED, TRIALS, STEPS = 781, 2, 100
 
 
 def _env() -> dict[str, str]:
@@ -33,7 +33,7 @@ def _env() -> dict[str, str]:
 
 def test_the_fixed_seed_run_draws_what_this_test_claims() -> None:
     kinds = {f.kind for s in trial_seeds(SEED, TRIALS) for f in draw(s, steps=STEPS).faults}
-    assert {"kill", "die_send", "stop_long"} <= kinds
+    assert {"kill", "die_send", "stop_long", "die_after_vote"} <= kinds
 
 
 def test_short_fixed_seed_chaos_run_has_no_violation(tmp_path: Path) -> None:

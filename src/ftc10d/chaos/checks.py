@@ -62,29 +62,33 @@ def by_pid(events: Iterable[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
 def check_commits(events: list[dict[str, Any]], steps: int) -> list[str]:
     """Invariant 1 and completion; returns what broke (empty: nothing)."""
     problems: list[str] = []
-    fps: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    # Keyed by (step, commit epoch): states of the same step committed in the same configuration
+    # must be equal. A step a worker applied alone in an older configuration, while the others
+    # redid it in a newer one, is rolled back (its ``recovered`` event says ``rolled_back``).
+    fps: dict[tuple[int, Any], dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
     for pid, evs in by_pid(events).items():
         cur: Optional[int] = 0
         for e in evs:
             if e["kind"] == "recovered":
                 s = int(e["step"])
-                if cur is not None and s < cur:
+                if cur is not None and s < cur and not e.get("rolled_back"):
                     problems.append(f"pid {pid} received the state of step {s} after committing step {cur}: "
                                     "a committed step was lost")
                 cur = s
                 if "fp" in e:
-                    fps[s][e["fp"]].append(pid)
+                    fps[(s, e.get("epoch"))][e["fp"]].append(pid)
             elif e["kind"] == "commit":
                 s = int(e["step"])
                 if cur is not None and s != cur + 1:
                     what = "applied twice" if s <= cur else "skipped"
                     problems.append(f"pid {pid} committed step {s} after step {cur}: a step was {what}")
                 cur = s
-                fps[s][e["fp"]].append(pid)
-    for s in sorted(fps):
-        if len(fps[s]) > 1:
-            detail = ", ".join(f"{fp} by pids {sorted(set(p))}" for fp, p in fps[s].items())
-            problems.append(f"replicas differ after committed step {s}: {detail}")
+                fps[(s, e.get("commit_epoch"))][e["fp"]].append(pid)
+    for s, epoch in sorted(fps, key=lambda k: (k[0], str(k[1]))):
+        if len(fps[(s, epoch)]) > 1:
+            detail = ", ".join(f"{fp} by pids {sorted(set(p))}" for fp, p in fps[(s, epoch)].items())
+            where = "" if epoch is None else f" in epoch {epoch}"
+            problems.append(f"replicas differ after committed step {s}{where}: {detail}")
     committed = {int(e["step"]) for e in events if e["kind"] == "commit"}
     missing = [s for s in range(1, steps + 1) if s not in committed]
     if missing:

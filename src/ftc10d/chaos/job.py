@@ -19,8 +19,8 @@ nothing already written and the files outlive the coordinator store:
 Options come as JSON in ``$FTC10D_CHAOS_OPTS``: ``out``, ``trial``, ``steps``,
 ``interval``, ``world`` and ``rank_base`` (a trial with several hosts runs one
 launcher per host; the job, not the launcher, knows the whole job's size), and
-``die``: ``{slot: {"op": "send"|"vote", "after_step": n}}``: SIGKILL itself as it
-sends state to a joiner, or inside the commit vote; only the first process of the
+``die``: ``{slot: {"op": "send"|"vote"|"after_vote", "after_step": n}}``: SIGKILL itself as it
+sends state to a joiner, inside the commit vote, or once its own vote completed; only the first process of the
 trial to get there dies (claimed through the coordinator store).
 
 Kept free of ``tests/`` so that ``ftc10d chaos`` runs from an installed package.
@@ -87,8 +87,13 @@ def suicide_hook(manager: Manager, die: dict[str, Any], claim: Callable[[str], b
             return
         name = str(args.name).lower().replace("_", "")
         hit = (die["op"] == "send" and name.endswith("send")) or (
-            die["op"] == "vote" and name.endswith("allreduce") and manager.in_vote)
+            die["op"] in ("vote", "after_vote") and name.endswith("allreduce") and manager.in_vote)
         if hit and claim(f"die/{die['op']}"):
+            if die["op"] == "after_vote":  # a post-hook: the vote was issued; die once it completed here
+                try:
+                    args.work.wait()
+                except Exception:
+                    return  # it failed here: not the interleaving this fault is for
             log.emit("suicide", op=die["op"], step=manager.step)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -204,8 +209,11 @@ def main() -> int:
     die = opts.get("die", {}).get(str(slot))
     if die:
         claim_prefix = f"chaos/{opts['trial']}/"
-        pg.register_pre_hook(7, suicide_hook(manager, die, lambda k: _claim(control, claim_prefix + k), log,
-                                                 guards))
+        hook = suicide_hook(manager, die, lambda k: _claim(control, claim_prefix + k), log, guards)
+        if die["op"] == "after_vote":
+            pg.register_post_hook(7, hook)
+        else:
+            pg.register_pre_hook(7, hook)
     opt = ManagedOptimizer(manager, optim)
     steps = int(opts["steps"])
     interval = float(opts.get("interval", 0.0))
@@ -220,7 +228,7 @@ def main() -> int:
         guards.settle(manager.step, manager.note_failure)
         if opt.step():
             log.emit("commit", step=manager.step, fp=manager.fingerprint(), member=manager.member.id,
-                     epoch=manager.epoch, uuid=pg.uuid, world_size=manager.world_size)
+                     epoch=manager.epoch, commit_epoch=manager.commit_epoch, uuid=pg.uuid, world_size=manager.world_size)
         else:
             log.emit("aborted", step=manager.step, member=manager.member.id)
         if interval:

@@ -74,7 +74,7 @@ def _print_result(k: int, n: int, r: TrialResult) -> None:
 
 def run(*, trials: int, seed: int, out: str, replay: Optional[str] = None, hosts: int = 1, world_size: int = 4,
         steps: int = 150, heartbeat_timeout: float = 0.75, keep: bool = False, command: str = "",
-        membership: str = "tcp") -> int:
+        membership: str = "tcp", weights: Optional[dict[str, int]] = None) -> int:
     """Run the trials; returns 0 iff every trial survived. ``membership``: ``tcp`` (the
     coordinator store) or ``etcd`` (each trial starts a 3-member cluster; adds the ``etcd`` fault)."""
     out_dir = Path(out)
@@ -88,7 +88,7 @@ def run(*, trials: int, seed: int, out: str, replay: Optional[str] = None, hosts
             hosts = 1
         kinds = available_kinds(hosts, ok, membership)
         specs = [draw(s, world_size=world_size, steps=steps, heartbeat_timeout=heartbeat_timeout, hosts=hosts,
-                      kinds=kinds, membership=membership) for s in trial_seeds(seed, trials)]
+                      kinds=kinds, membership=membership, weights=weights) for s in trial_seeds(seed, trials)]
     first = specs[0]
     print(f"ftc10d chaos: {len(specs)} trial(s), {first.world_size} workers + {first.spares} warm spare(s), "
           f"{first.steps} steps, heartbeat timeout {first.heartbeat_timeout:g} s, {first.hosts} host(s), "

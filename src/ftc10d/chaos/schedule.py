@@ -17,6 +17,10 @@ Kinds (``KINDS``), with ``hb`` the heartbeat timeout:
                   (``kill`` or ``stop_long``) on ``slot2``;
 - ``die_vote``    the worker of ``slot`` SIGKILLs itself inside the commit vote of the
                   first step after ``at_step`` (the job's ``die`` option);
+- ``die_after_vote`` the worker of ``slot`` SIGKILLs itself as soon as its own commit-vote
+                  all-reduce of the first step after ``at_step`` completed: the others may be
+                  half way through that step's last collectives (the vote, a gradient bucket
+                  still in flight on Gloo's other thread), so some complete and some fail;
 - ``die_send``    ``slot`` is SIGKILLed at ``at_step``; the survivor that then starts
                   sending the state to the replacement SIGKILLs itself as it sends;
 - ``partition``   the network link of host ``slot`` (``--hosts`` > 1, root) is cut for
@@ -43,7 +47,10 @@ from typing import Any, Optional
 
 from ftc10d.types import InvalidOptionError
 
-KINDS = ("kill", "stop_short", "stop_long", "slow", "double", "die_vote", "die_send", "partition", "store", "etcd")
+KINDS = ("kill", "stop_short", "stop_long", "slow", "double", "die_vote", "die_after_vote", "die_send", "partition",
+         "store", "etcd")
+#: Kinds armed in the job at launch (its ``die`` option): at most one of each per trial.
+ARMED = ("die_vote", "die_after_vote", "die_send")
 #: Where a trial's membership lives: the coordinator TCPStore, or a 3-member etcd cluster.
 MEMBERSHIPS = ("tcp", "etcd")
 #: Members of a trial's etcd cluster (one may be down: the other two are a quorum).
@@ -210,11 +217,19 @@ def available_kinds(hosts: int, partition_ok: bool, membership: str = "tcp") -> 
 
 def draw(seed: int, *, world_size: int = 4, steps: int = 150, heartbeat_timeout: float = 0.75, hosts: int = 1,
          kinds: Optional[tuple[str, ...]] = None, max_faults: int = 2, membership: str = "tcp",
-         **spec_kwargs: Any) -> TrialSpec:
+         weights: Optional[dict[str, int]] = None, **spec_kwargs: Any) -> TrialSpec:
     """The trial of ``seed``: 1..``max_faults`` faults at steps far enough apart that the job
-    recovers from one before the next (a ``double`` is the at-once case)."""
+    recovers from one before the next (a ``double`` is the at-once case). ``weights``: kind ->
+    how many times more often than the others it is drawn (default 1 each; 0 never)."""
     rng = random.Random(seed)
     kinds = kinds or available_kinds(hosts, False, membership)
+    weights = weights or {}
+    unknown = sorted(set(weights) - set(KINDS))
+    if unknown or any(not isinstance(w, int) or w < 0 for w in weights.values()):
+        raise ScheduleError(f"weights {weights}: kinds must be among {', '.join(KINDS)} and weights integers >= 0")
+    pool = tuple(k for k in kinds for _ in range(weights.get(k, 1)))
+    if not pool:
+        raise ScheduleError(f"weights {weights} leave no kind to draw among {', '.join(kinds)}")
     count = rng.randint(1, max_faults)
     last = steps - TAIL_STEPS
     span = max((last - FIRST_FAULT_STEP) // count, 1)
@@ -222,10 +237,11 @@ def draw(seed: int, *, world_size: int = 4, steps: int = 150, heartbeat_timeout:
     for i in range(count):
         lo = FIRST_FAULT_STEP + i * span
         at = rng.randint(lo, max(lo, lo + span - 6))
-        faults.append(draw_fault(rng, rng.choice(kinds), at, world_size, heartbeat_timeout, hosts))
-    # die_vote / die_send arm the job at launch: at most one of each per trial.
-    seen: set[str] = set()
-    faults = [f for f in faults if f.kind not in ("die_vote", "die_send") or not (f.kind in seen or seen.add(f.kind))]
+        faults.append(draw_fault(rng, rng.choice(pool), at, world_size, heartbeat_timeout, hosts))
+    # die_* arm the job at launch: at most one of each per trial, and one per slot.
+    seen: set[Any] = set()
+    faults = [f for f in faults if f.kind not in ARMED or not (
+        f.kind in seen or (f.kind != "die_send" and f.slot in seen) or seen.update({f.kind, f.slot}))]
     spec = TrialSpec(seed, faults, world_size=world_size, steps=steps, heartbeat_timeout=heartbeat_timeout,
                      hosts=hosts, membership=membership, **spec_kwargs)
     validate(spec)

@@ -115,8 +115,8 @@ class Trial:
     def _die_opts(self) -> dict[str, Any]:
         die: dict[str, Any] = {}
         for f in self.spec.faults:
-            if f.kind == "die_vote":
-                die[str(f.slot)] = {"op": "vote", "after_step": f.at_step}
+            if f.kind in ("die_vote", "die_after_vote"):
+                die[str(f.slot)] = {"op": "vote" if f.kind == "die_vote" else "after_vote", "after_step": f.at_step}
             elif f.kind == "die_send":
                 for s in range(self.spec.world_size):
                     if s != f.slot and str(s) not in die:
@@ -198,7 +198,7 @@ class Trial:
         """Fire ``inj``'s fault now if its target is there; False to try again next tick."""
         f, now = inj.fault, time.time()
         targets = [f.slot, f.slot2] if f.kind == "double" else [] \
-            if f.kind in ("partition", "die_vote", "store", "etcd") else [f.slot]
+            if f.kind in ("partition", "die_vote", "die_after_vote", "store", "etcd") else [f.slot]
         if any(self._pid(s) is None for s in targets if s is not None):
             return False
         if f.kind == "etcd" and not self._etcd_whole(f.slot):
@@ -310,7 +310,7 @@ class Trial:
         self.t0 = time.time()
         self.job_step = 0
         injected = [Injected(f) for f in sorted(spec.faults, key=lambda f: f.at_step)]
-        pending = [i for i in injected if i.fault.kind != "die_vote"]
+        pending = [i for i in injected if i.fault.kind not in ("die_vote", "die_after_vote")]
         violations: list[str] = []
         rc: Optional[int] = None
         chain: Optional[dict[int, list[str]]] = None
@@ -466,11 +466,13 @@ class Trial:
         return out
 
     def _timing(self, injected: list[Injected], events: list[dict[str, Any]]) -> None:
-        """Fill in die_vote's time (when the worker killed itself) and every fault's stall."""
+        """Fill in die_vote's and die_after_vote's time (when the worker killed itself) and every
+        fault's stall."""
         suicides = sorted((e["t"], e) for e in events if e["kind"] == "suicide")
         for inj in injected:
-            if inj.fault.kind == "die_vote":
-                hit = [e for _, e in suicides if e["op"] == "vote"]
+            if inj.fault.kind in ("die_vote", "die_after_vote"):
+                op = "vote" if inj.fault.kind == "die_vote" else "after_vote"
+                hit = [e for _, e in suicides if e["op"] == op]
                 if hit:
                     inj.t_fault = inj.t_end = hit[0]["t"]
                     inj.pids = [hit[0]["pid"]]

@@ -168,12 +168,16 @@ def _join_entry(run: Run, ev: dict[str, Any], faults: list[dict[str, Any]]) -> d
 
 
 def fingerprint_checks(run: Run) -> dict[str, Any]:
-    by_step: dict[int, dict[int, str]] = defaultdict(dict)
+    """Fingerprints published for the same step, committed in the same configuration (the
+    ``commit_epoch`` of the state), must be equal. A step that a worker applied alone in an
+    older configuration while the others redid it in a newer one is rolled back by the Manager
+    (the worker receives the newer state, checked equal there): not compared with theirs."""
+    by_step: dict[tuple[int, Any], dict[int, str]] = defaultdict(dict)
     for e in run.events:
         if e["kind"] == "fingerprint":
-            by_step[e["step"]][e["pid"]] = e["fp"]
-    checked = {s: v for s, v in by_step.items() if len(v) > 1}
-    bad = sorted(s for s, v in checked.items() if len(set(v.values())) > 1)
+            by_step[(e["step"], e.get("commit_epoch"))][e["pid"]] = e["fp"]
+    checked = {k: v for k, v in by_step.items() if len(v) > 1}
+    bad = sorted({k[0] for k, v in checked.items() if len(set(v.values())) > 1})
     return {"checked_steps": len(checked), "disagreeing_steps": bad, "agreed": not bad}
 
 

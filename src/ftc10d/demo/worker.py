@@ -131,7 +131,7 @@ def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) ->
         log.emit("step", step=manager.step, ok=ok, loss=float(loss.detach()), t0=t0, t_start=t1 - t0, dt=t2 - t0,
                  epoch=manager.epoch, rank=manager.rank, world_size=manager.world_size)
         if ok and (manager.step % args.fp_every == 0 or manager.step == args.steps):
-            log.emit("fingerprint", step=manager.step, fp=manager.fingerprint())
+            log.emit("fingerprint", step=manager.step, fp=manager.fingerprint(), commit_epoch=manager.commit_epoch)
     log.emit("final", step=manager.step, hash=manager.state_hash(), epoch=manager.epoch, rank=manager.rank)
     # Stay until every member of the last configuration finished, so that one leaving early
     # does not look like a failure to the others' last step.
