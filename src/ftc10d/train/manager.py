@@ -21,10 +21,43 @@ model, measured). The price: a rank can only veto a step before that bucket is
 reduced (:meth:`Manager.veto`, before ``backward()``). Steps that reduce no
 gradients (``no_sync``), and ``vote="separate"``, vote with their own all-reduce.
 
-If a member dies during the vote itself, the survivors that completed it apply
-the step and the others do not; the next ``start_step`` finds that difference in
-the committed step counters and the laggards receive the applied state before
-anyone computes again, so the step ends up applied by all survivors.
+Why every survivor ends each step with the same state (invariant 1), whatever a
+collective does when a peer dies half way (some ranks complete it, others fail):
+
+1. *A rank commits only what the whole configuration computed.* It applies step
+   ``s`` only if every collective of the step completed **on this rank** and the
+   vote passed. A failure of any of them, whatever the exception type (torch's
+   ``Future.then`` turns our typed errors into ``RuntimeError``; the abort that
+   follows runs on another thread), is recorded and the step is not applied; the
+   rank then issues nothing more on that configuration (an op the others did not
+   issue would pair with their next one) and aborts it. A completed all-reduce
+   gives the same sum on every rank that completed it, so all ranks that commit
+   step ``s`` in one configuration apply the same update to the same state.
+2. *A state is named by its identity* ``(commit epoch, step)``: ``step`` counts the
+   applied steps, ``commit epoch`` is the membership epoch of the configuration in
+   which the last of them was committed (a received state keeps its source's).
+   Epochs are unique and increase, also across a store restart. By (1) and
+   induction over configurations (each starts from one state, see 3), two
+   synchronized ranks with the same identity hold bitwise-identical state.
+3. *At every configuration change, before anyone computes,* the ranks exchange
+   identities and every rank whose identity differs from the greatest one
+   (ordered by epoch, then step) receives that state (:mod:`ftc10d.train.recovery`).
+   Inside one configuration a rank can be ahead of another by one step at most
+   (a partial vote: the ranks that did not commit abort it, so no later step can
+   complete there): same epoch, higher step, it is the source and the step ends up
+   applied by all. A rank whose last commit is from an older configuration than
+   someone else's is on a history the job did not continue (it applied a step
+   alone, was left out, and the others redid that step without it: equal
+   counters, different states): it receives the newer state, i.e. its step is
+   rolled back (``recovered`` event with ``rolled_back``). Either way every step
+   ends up applied by all the survivors or by none.
+4. *Checked, not only argued:* after each configuration change every rank's
+   ``(fingerprint, step, commit epoch)`` is compared in one all-reduce, and every
+   ``check_every`` steps (default 100) the fingerprints ride on the vote (a few
+   elements more). Any difference, whatever its cause (a bug, a bit flip, a
+   non-deterministic update), raises :class:`ftc10d.ReplicaDivergenceError` on
+   every rank, naming the ranks and member ids that differ from the majority,
+   instead of training on with different models.
 """
 
 from __future__ import annotations
