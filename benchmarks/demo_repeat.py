@@ -49,7 +49,7 @@ def one_run(out: Path, timeout: float) -> dict[str, Any]:
         final_ranks=report.get("final_ranks"),
         checked_steps=fps.get("checked_steps"),
         disagreeing_steps=fps.get("disagreeing_steps"),
-        stalls_s={f"{f['kind']}:{f.get('slot')}": f.get("stall_s") for f in report.get("faults", [])},
+        stalls_s=[(f["kind"], f.get("stall_s")) for f in report.get("faults", [])],
     )
     rec["lie"] = rc == 0 and not (rec["completed"] and rec["identical"])
     return rec
