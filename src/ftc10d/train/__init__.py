@@ -6,7 +6,8 @@ Composes ``pg/`` and ``membership/``; neither knows about this layer.
 
 from ftc10d.train.bootstrap import WorkerEnv, handle_key, init_from_env
 from ftc10d.train.ddp import DistributedDataParallel, allreduce_hook
-from ftc10d.train.manager import ManagedOptimizer, Manager
+from ftc10d.train.manager import Manager
+from ftc10d.train.optimizer import ManagedOptimizer
 from ftc10d.train.state import StateFormatError
 
 __all__ = [

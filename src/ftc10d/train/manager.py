@@ -71,6 +71,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ftc10d.membership import Member
+from ftc10d.train.consistency import FP_WORDS, exchange_identities, fingerprint48, groups_of, join_words, split_words
 from ftc10d.train.ddp import DistributedDataParallel
 from ftc10d.train.recovery import Plan, make_plan, transfer
 from ftc10d.train.state import StateFormatError, fingerprint, state_hash
@@ -89,16 +90,7 @@ from ftc10d.types import (
 logger = logging.getLogger("ftc10d")
 
 Listener = Callable[[str, dict[str, Any]], None]
-#: A fingerprint travels in the vote as this many 16-bit words (exact in a float32 bucket).
-FP_WORDS = 3
 
-
-def _split_words(value: int) -> list[int]:
-    return [(value >> (16 * i)) & 0xFFFF for i in range(FP_WORDS)]
-
-
-def _join_words(words: list[int]) -> int:
-    return sum((int(w) & 0xFFFF) << (16 * i) for i, w in enumerate(words))
 _RESERVED = "ftc10d"
 #: The membership fact a Manager records at its first commit (see StateLostError).
 _FACT = "train"
@@ -303,7 +295,7 @@ class Manager:
             fps = None
             if check is not None:
                 words = [int(w) for w in buf[fp_at:].tolist()]
-                fps = [_join_words(words[FP_WORDS * r:FP_WORDS * (r + 1)]) for r in range(size)]
+                fps = [join_words(words[FP_WORDS * r:FP_WORDS * (r + 1)]) for r in range(size)]
             self._fused = (bool(buf[n].item() > 0), int(buf[n + 1:fp_at].max().item()), fps)
             return tensor.copy_(buf[:n]).div_(size)
 
@@ -368,7 +360,7 @@ class Manager:
             self._recover()
         # Every participant of this step holds the same committed step (recovery made them
         # equal), so all of them decide alike whether this step's vote compares the replicas.
-        self._check = (_split_words(self._fingerprint48())
+        self._check = (split_words(self._fingerprint48())
                        if self.check_every and self.step % self.check_every == 0 else None)
 
     def should_commit(self, ok: bool = True) -> bool:
@@ -405,7 +397,7 @@ class Manager:
         vote = torch.zeros(2 + (self.pg.size() if check is not None else 0), dtype=torch.int64)
         vote[0], vote[1] = failed, cur.epoch if cur is not None else 0
         if check is not None:
-            vote[2 + self.pg.rank()] = _join_words(check)
+            vote[2 + self.pg.rank()] = join_words(check)
         self.in_vote = True
         try:
             self.pg.allreduce([vote], self._vote_opts).wait()
@@ -432,19 +424,14 @@ class Manager:
         self._mark_committed()
 
     def _fingerprint48(self) -> int:
-        """This rank's state fingerprint, 48 bits (three 16-bit words fit a float vote exactly)."""
-        return int(self.fingerprint(), 16) & ((1 << (16 * FP_WORDS)) - 1)
+        return fingerprint48(self.fingerprint())
 
     def _compare(self, fps: list[int], where: str) -> None:
         """Raise :class:`ReplicaDivergenceError` on every rank if the replicas' fingerprints
-        (one per rank, all ranks see the same list) differ."""
-        groups: dict[str, list[int]] = {}
-        for r, v in enumerate(fps):
-            groups.setdefault(f"{v:012x}", []).append(r)
-        if len(groups) <= 1:
+        (one per rank, all ranks see the same list) differ (:mod:`ftc10d.train.consistency`)."""
+        groups, odd = groups_of(fps)
+        if not odd:
             return
-        largest = max(groups.values(), key=lambda rs: (len(rs), -rs[0]))
-        odd = sorted(r for rs in groups.values() if rs is not largest for r in rs)
         cur = self.member._current
         ids = list(cur.members) if cur is not None and cur.epoch == self._cfg_epoch else []
         members = [ids[r] if r < len(ids) else "?" for r in odd]
@@ -537,14 +524,8 @@ class Manager:
     def _verify_replicas(self) -> None:
         """After a configuration change: every rank's (fingerprint, step, commit epoch) in one
         all-reduce; any difference raises :class:`ReplicaDivergenceError` on every rank."""
-        mine = torch.zeros(self.pg.size(), 3, dtype=torch.int64)
-        mine[self.pg.rank()] = torch.tensor([self._fingerprint48(), self.step, self.commit_epoch])
-        self.pg.allreduce([mine]).wait()
-        rows = [tuple(int(v) for v in row) for row in mine.tolist()]
-        if len(set(rows)) > 1:
-            # Equal fingerprints with other (step, epoch): name the difference by the whole row.
-            self._compare([(r[0] if len({x[1:] for x in rows}) == 1 else hash(r) & ((1 << 48) - 1)) for r in rows],
-                          "after the configuration change")
+        ids = exchange_identities(self.pg, self._fingerprint48(), self.step, self.commit_epoch)
+        self._compare(ids, "after the configuration change")
 
     def _job_progress(self) -> tuple[int, int]:
         """The most advanced committed step the job is known to have reached (recorded with
@@ -612,38 +593,3 @@ class Manager:
             self._mark_committed(final=True)
         self.member.close(leave=True)
 
-
-class ManagedOptimizer:
-    """An optimizer whose ``step()`` applies only committed steps.
-
-    ``zero_grad()`` starts the step (:meth:`Manager.start_step`); ``step()`` votes
-    (:meth:`Manager.should_commit`) and applies the update only if it committed,
-    returning whether it did. The wrapped optimizer is registered as state "optim"
-    unless it is registered already.
-    """
-
-    def __init__(self, manager: Manager, optimizer: torch.optim.Optimizer) -> None:
-        self.manager = manager
-        self.optimizer = optimizer
-        if not manager.registered(optimizer):
-            manager.register("optim", optimizer)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.manager.start_step()
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure: Optional[Callable[[], float]] = None, *, ok: bool = True) -> bool:
-        if not self.manager.should_commit(ok):
-            return False
-        self.optimizer.step(closure)
-        return True
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
