@@ -72,6 +72,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--plain", action="store_true", help="plain torch DDP over init_process_group('gloo') (bench)")
     p.add_argument("--ab-block", type=int, default=0, metavar="N",
                    help="bench: alternate blocks of N steps of plain DDP and ftc10d DDP in this process")
+    p.add_argument("--ab-check", type=int, default=0, metavar="K",
+                   help="bench, with --ab-block: a third mode, ftc10d comparing the replicas every K steps "
+                        "(Manager check_every=K; the ftc10d mode then runs with check_every=0)")
     return p.parse_args(argv)
 
 
@@ -174,8 +177,13 @@ def _ab(args: argparse.Namespace, log: EventLog, slot: int) -> int:
     opts: dict[str, Any] = {"plain": optims["plain"], "ftc10d": ManagedOptimizer(manager, optims["ftc10d"])}
     k = 0
     blocks = max(2, args.steps // args.ab_block)
+    order: tuple[str, ...] = ("plain", "ftc10d", "ftc10d", "plain")
+    if args.ab_check:
+        order = ("plain", "ftc10d", "check", "check", "ftc10d", "plain")
+        wrapped["check"], opts["check"] = wrapped["ftc10d"], opts["ftc10d"]
     for b in range(blocks):
-        mode = ("plain", "ftc10d", "ftc10d", "plain")[b % 4]
+        mode = order[b % len(order)]
+        manager.check_every = args.ab_check if mode == "check" else 0
         for i in range(args.ab_block):
             t0 = time.time()
             opts[mode].zero_grad()
