@@ -49,6 +49,24 @@ def test_differing_replicas_and_double_or_lost_steps_are_reported() -> None:
     assert any("never committed" in p for p in checks.check_commits(short, 5))
 
 
+def test_a_step_rolled_back_is_not_a_divergence_but_a_divergence_event_is_one() -> None:
+    """pid 1 applied step 5 alone in epoch 1 (another state: "x5"); the others redid it in epoch
+    3; pid 1 then received their state (rolled back). States compare per (step, commit epoch)."""
+    events = [e for e in good_run() if not (e["kind"] == "final")]
+    for e in events:
+        if e["kind"] == "commit":
+            e["commit_epoch"] = 1 if e["step"] < 5 or e["pid"] == 1 else 3
+    next(e for e in events if e["pid"] == 1 and e.get("step") == 5)["fp"] = "x5"
+    events += [ev(1, "recovered", 60.0, step=5, fp="f5", epoch=3, rolled_back=[5, 1])]
+    events += [ev(pid, "final", 99.0, step=5, hash="h") for pid in (1, 2, 3)]
+    assert checks.check_commits(events, 5) == []
+    # the same in one configuration is a divergence
+    same = [dict(e, commit_epoch=1) if e["kind"] == "commit" else e for e in events]
+    assert any("replicas differ after committed step 5 in epoch 1" in p for p in checks.check_commits(same, 5))
+    diverged = events + [ev(2, "diverged", 70.0, step=5, ranks=[0], groups={"a": [0], "b": [1, 2]})]
+    assert any("ReplicaDivergenceError at step 5" in p for p in checks.check_commits(diverged, 5))
+
+
 def test_a_received_state_must_match_the_committed_one() -> None:
     events = good_run() + [ev(4, "recovered", 3.5, step=3, fp="bad", member="m4")]
     assert any("step 3" in p for p in checks.check_commits(events, 5))

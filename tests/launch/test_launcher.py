@@ -169,3 +169,19 @@ def test_the_exit_is_reported_to_the_membership(tmp_path: Path, external: bool) 
     finally:
         if coordinator is not None:
             coordinator.close()
+
+
+def test_a_worker_exiting_with_exit_stop_job_stops_the_job_instead_of_being_respawned(tmp_path: Path) -> None:
+    """EXIT_STOP_JOB (what a worker does on ReplicaDivergenceError): no respawn, the others are
+    stopped, the launcher exits with that code."""
+    from ftc10d.launch import EXIT_STOP_JOB
+
+    cfg = config(tmp_path, "--sleep", "--exit", str(EXIT_STOP_JOB), "--exit-rank", "1", nproc_per_node=3,
+                 max_restarts=3, spares=1)
+    with Launcher(cfg) as launcher:
+        assert launcher.wait(60) == EXIT_STOP_JOB
+        events = launcher.events
+    assert "respawned" not in kinds(events), kinds(events)
+    gave_up = [e for e in events if e.kind == "gave_up"]
+    assert gave_up and gave_up[0].slot == 1 and gave_up[0].detail.get("stop_job") is True
+    assert not [pid for pid in records(tmp_path) if alive(pid)], "the other workers must be stopped"

@@ -94,6 +94,10 @@ def check_commits(events: list[dict[str, Any]], steps: int) -> list[str]:
     if missing:
         problems.append(f"steps never committed by anyone: {_ranges(missing)} (final step {steps} not reached)"
                         if steps in missing else f"steps never committed by anyone: {_ranges(missing)}")
+    for e in events:
+        if e["kind"] == "diverged":
+            problems.append(f"pid {e['pid']}: ReplicaDivergenceError at step {e.get('step')} (ranks "
+                            f"{e.get('ranks')} differ: {e.get('groups')})")
     finals = [e for e in events if e["kind"] == "final"]
     if not finals:
         problems.append("no worker reached the final step")

@@ -46,7 +46,9 @@ import torch.nn.parallel  # noqa: F401
 from torch import nn
 
 from ftc10d.chaos.guard import Guards
+from ftc10d.launch import EXIT_STOP_JOB
 from ftc10d.train import ManagedOptimizer, Manager, init_from_env
+from ftc10d.types import ReplicaDivergenceError
 
 OPTS_ENV = "FTC10D_CHAOS_OPTS"
 IN, HIDDEN, OUT, GLOBAL_BATCH = 32, 64, 4, 64
@@ -251,4 +253,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ReplicaDivergenceError:  # logged as a "diverged" event; the whole job stops (a violation)
+        logging.getLogger("ftc10d").exception("chaos job: the replicas diverged")
+        os._exit(EXIT_STOP_JOB)

@@ -31,7 +31,8 @@ import torch.nn.parallel  # noqa: F401
 
 from ftc10d.demo.model import batch_for, loss_fn, make_student, make_teacher
 from ftc10d.train import ManagedOptimizer, Manager, init_from_env
-from ftc10d.types import JobFinished
+from ftc10d.launch import EXIT_STOP_JOB
+from ftc10d.types import JobFinished, ReplicaDivergenceError
 
 
 class EventLog:
@@ -89,7 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         return _plain(args, log, slot, restart)
     if args.ab_block:
         return _ab(args, log, slot)
-    return _ftc10d(args, log, slot, restart)
+    try:
+        return _ftc10d(args, log, slot, restart)
+    except ReplicaDivergenceError as exc:  # the Manager logged a "diverged" event: stop the whole job
+        log.emit("stopped", reason=str(exc))
+        log.close()
+        sys.stderr.write(f"ftc10d demo worker: {exc}\n")
+        sys.stderr.flush()
+        os._exit(EXIT_STOP_JOB)
 
 
 def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> int:

@@ -7,6 +7,6 @@
 """
 
 from ftc10d.launch.config import LaunchConfig
-from ftc10d.launch.supervisor import LaunchEvent, Launcher, run
+from ftc10d.launch.supervisor import EXIT_STOP_JOB, LaunchEvent, Launcher, run
 
-__all__ = ["LaunchConfig", "LaunchEvent", "Launcher", "run"]
+__all__ = ["LaunchConfig", "LaunchEvent", "Launcher", "run", "EXIT_STOP_JOB"]

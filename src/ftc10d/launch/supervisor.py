@@ -48,6 +48,11 @@ from ftc10d.types import InvalidOptionError
 
 logger = logging.getLogger("ftc10d")
 
+#: A worker that exits with this code stops the whole job instead of being respawned: the job
+#: itself cannot go on (``ftc10d.ReplicaDivergenceError``: the replicas differ, so a replacement
+#: would only receive a wrong state). The launcher stops the other workers and exits with it.
+EXIT_STOP_JOB = 86
+
 _PR_SET_PDEATHSIG = 1
 #: How long workers get to exit after SIGTERM/SIGINT before they are SIGKILLed.
 DEFAULT_GRACE_S = 5.0
@@ -583,6 +588,16 @@ class Launcher:
         if rc == 0:
             slot.state = "done"
             logger.info("launcher: slot %d: worker %d finished", slot.index, proc.pid)
+        elif rc == EXIT_STOP_JOB:
+            # The worker found that the job itself cannot go on (e.g. ReplicaDivergenceError): a
+            # replacement would only join a job that is stopping, or train on a wrong state.
+            slot.state = "gave_up"
+            logger.error("launcher: slot %d: worker %d exited with %d (EXIT_STOP_JOB: the job cannot go on, see its "
+                         "output): stopping the job", slot.index, proc.pid, rc)
+            self._emit("gave_up", slot.index, proc.pid, restarts=slot.restarts, stop_job=True)
+            self._shutdown(signal.SIGTERM)
+            self._finish(EXIT_STOP_JOB)
+            return
         elif slot.restarts < self.config.max_restarts:
             logger.warning("launcher: slot %d: worker %d died (%s); respawning that slot only", slot.index, proc.pid,
                            _signal_name(rc) or f"exit code {rc}")
