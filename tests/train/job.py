@@ -122,7 +122,7 @@ def train_loop(pg: Any, member: Any, opts: dict[str, Any], publish: Callable[[st
             "events": json.loads(json.dumps(events, default=str))}
 
 
-def _wait_key(store: Any, key: str, count: int, timeout: float = 60.0) -> None:
+def _wait_key(store: Any, key: str, count: int, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while int(store.add(key, 0)) < count:
         if time.monotonic() > deadline:
