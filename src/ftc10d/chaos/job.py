@@ -230,7 +230,8 @@ def main() -> int:
         guards.settle(manager.step, manager.note_failure)
         if opt.step():
             log.emit("commit", step=manager.step, fp=manager.fingerprint(), member=manager.member.id,
-                     epoch=manager.epoch, commit_epoch=manager.commit_epoch, uuid=pg.uuid, world_size=manager.world_size)
+                     epoch=manager.epoch, commit_epoch=manager.commit_epoch, uuid=pg.uuid,
+                     world_size=manager.world_size)
         else:
             log.emit("aborted", step=manager.step, member=manager.member.id)
         if interval:

@@ -438,9 +438,10 @@ class Manager:
         self._emit("diverged", step=self.step, epoch=self._cfg_epoch, groups=groups, ranks=odd, members=members)
         msg = (f"replicas diverged: {where} of step {self.step} (epoch {self._cfg_epoch}), the {len(fps)} ranks hold "
                f"{len(groups)} distinct states (fingerprint: ranks {groups}); ranks {odd} (members {members}) differ "
-               "from the most common one. Training on would average gradients of different models, so the job stops here: restore from a "
-               "checkpoint or restart it. Check that every registered state is the same on every replica (no "
-               "per-rank values) and that the update is deterministic; otherwise report it with the event logs")
+               "from the most common one. Training on would average gradients of different models, so the job "
+               "stops here: restore from a checkpoint or restart it. Check that every registered state is the same "
+               "on every replica (no per-rank values) and that the update is deterministic; otherwise report it "
+               "with the event logs")
         logger.error("manager: %s", msg)
         raise ReplicaDivergenceError(msg, step=self.step, groups=groups, ranks=odd, members=members)
 
