@@ -172,15 +172,13 @@ def main() -> int:
     torch.manual_seed(slot + 1000 * restart)  # different weights on purpose: recovery makes replicas equal
     model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    pg, member = init_from_env()
-    manager = Manager(pg, member, sync_timeout=120.0)
-    log.emit("admitted", member=member.id, epoch=manager.epoch, rank=manager.rank, world_size=manager.world_size)
-
     done = threading.Event()
+    joined: dict[str, Any] = {}  # "manager" once admitted
 
     def watch_finish() -> None:
-        """A worker left out of the last configuration (fenced and rejoining, or re-forming
-        after a store restart) waits for a configuration that will never form once the
+        """A worker left out of the last configuration (fenced and rejoining, re-forming after
+        a store restart, or a replacement started as the job ended and still being admitted,
+        inside ``init_from_env``) waits for a configuration that will never form once the
         others finished and left. The others reach the final step within milliseconds of
         each other, so a worker still short of it 10 s after the first finisher is stranded:
         it leaves, which is what a job would do."""
@@ -190,11 +188,17 @@ def main() -> int:
             if first is None and _finished(store, finished):
                 first = time.monotonic()
             if first is not None and time.monotonic() - first > STRANDED_S and not done.is_set():
-                log.emit("left", reason="the job finished while this worker was out of it", step=manager.step)
+                mgr = joined.get("manager")
+                log.emit("left", reason="the job finished while this worker was out of it",
+                         step=mgr.step if mgr is not None else None)
                 _exit(log)
             time.sleep(0.2)
 
     threading.Thread(target=watch_finish, name="chaos-finish-watch", daemon=True).start()
+    pg, member = init_from_env()
+    manager = Manager(pg, member, sync_timeout=120.0)
+    joined["manager"] = manager
+    log.emit("admitted", member=member.id, epoch=manager.epoch, rank=manager.rank, world_size=manager.world_size)
 
     guards = Guards(pg, log.emit)
 
