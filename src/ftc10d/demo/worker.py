@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -108,18 +109,20 @@ def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) ->
     model = make_student(seed=slot + 1000 * restart)  # different on purpose: recovery makes replicas equal
     optim = torch.optim.Adam(model.parameters(), lr=args.lr)
     log.emit("ready")
+    host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
+    finished = f"ftc10d/demo/{os.environ.get('FTC10D_LAUNCH_ID', 'x')}/finished"
+    # A replacement, or a worker fenced while frozen, is (re)joining until its first commit.
+    joining = [bool(restart)]
+    if restart:
+        _leave_if_finished_while_joining(host.strip("[]"), int(port), finished, joining, log)
     pg, member = init_from_env()
     manager = Manager(pg, member)
     log.emit("admitted", rank=manager.rank, world_size=manager.world_size, epoch=manager.epoch)
-    # A replacement, or a worker fenced while frozen, is (re)joining until its first commit.
-    joining = [bool(restart)]
     manager.add_listener(lambda kind, info: log.emit(kind, **info))
     manager.add_listener(lambda kind, info: joining.__setitem__(0, True) if kind == "fenced" else None)
     ddp = manager.ddp(model)
     opt = ManagedOptimizer(manager, optim)
-    host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
     control = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=30))
-    finished = f"ftc10d/demo/{os.environ.get('FTC10D_LAUNCH_ID', 'x')}/finished"
     while manager.step < args.steps:
         if joining[0] and control.check([finished]):
             # A replacement or a rejoining worker that arrives after the others finished would
@@ -151,6 +154,30 @@ def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) ->
     while int(control.add(finished, 0)) < manager.world_size and time.monotonic() < deadline:
         time.sleep(0.02)
     return _exit(log, manager)
+
+
+def _leave_if_finished_while_joining(host: str, port: int, finished: str, joining: list[bool],
+                                     log: EventLog) -> None:
+    """A replacement started as the job ends can be admitted into a configuration that still
+    lists a member that has left, and wait in its rendezvous long after the others are gone
+    (the training loop's own check comes only after admission). While this process is joining,
+    a thread of its own leaves as soon as the others finished."""
+
+    def watch() -> None:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        while joining[0]:
+            try:
+                done = store.check([finished])
+            except Exception:  # the coordinator gone: the launcher ends the job anyway
+                return
+            if done and joining[0]:
+                log.emit("left", reason="the job finished while this worker was joining")
+                log.emit("exit", step=0)
+                log.close()
+                os._exit(0)
+            time.sleep(0.25)
+
+    threading.Thread(target=watch, name="demo-join-watch", daemon=True).start()
 
 
 def _exit(log: EventLog, manager: Any) -> int:
