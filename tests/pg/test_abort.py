@@ -340,3 +340,43 @@ def test_abort_completes_when_a_pair_descriptor_was_reused_by_a_non_socket() -> 
     member's training thread hung in the rendezvous that followed."""
     res = harness.run(_abort_with_a_reused_descriptor, 2)
     assert res[0] == (True,)
+
+
+def _reconfigure_after_an_abandoned_op(rank: int, world: int, port: int) -> dict:
+    store = harness.client_store(port)
+    pg = ftc10d.ProcessGroup(store, rank, world, timeout=timedelta(seconds=OP_TIMEOUT_S))
+    harness.store_barrier(store, "ready", rank, world)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # the test kills it, stopped
+        time.sleep(300)
+    gen = pg.generation
+    assert gen is not None
+    gen.comm.shutdown_pairs = lambda: 0  # type: ignore[method-assign]  # as in _op_the_cut_cannot_reach
+    stuck = [pg.allreduce([torch.ones(N)]), pg.allreduce([torch.ones(N)])]  # two: one per Gloo worker thread
+    time.sleep(0.3)
+    pg.abort()  # the drain abandons both: Gloo's threads stay in them until the op timeout
+    times = []
+    for uuid in (11, 12, 13):  # alone, with fresh uuids: each reconfigure retires the previous backend
+        t0 = time.perf_counter()
+        ftc10d.reconfigure(uuid, [pg.get_reconfigure_handle()], group=pg)
+        times.append(time.perf_counter() - t0)
+    dist.all_reduce(torch.ones(4), group=pg)
+    return {"reconfigure_s": times, "stuck_completed": [w.is_completed() for w in stuck]}
+
+
+OP_TIMEOUT_S = 20.0
+
+
+def test_retiring_a_generation_whose_gloo_threads_are_stuck_does_not_block_the_reconfigure() -> None:
+    """Issue 14's 30-s join stall: a fenced member's old configuration had ops Gloo kept
+    running after the abort (abandoned by the drain; Gloo's worker threads stay in them until
+    the op timeout). Dropping that ProcessGroupGloo joins those threads; when the last
+    reference went on the reconfiguring thread (the retire thread had already ended), the
+    reconfigure waited out the op timeout (30 s in a demo)."""
+    job = harness.start(_reconfigure_after_an_abandoned_op, 2)
+    try:
+        res = job.collect([0], timeout=120)[0]
+    finally:
+        job.close()
+    assert all(res["stuck_completed"]), res
+    assert max(res["reconfigure_s"]) < OP_TIMEOUT_S / 4, res

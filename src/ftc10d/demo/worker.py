@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import threading
@@ -82,6 +83,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if os.environ.get("FTC10D_LOG_LEVEL"):  # e.g. INFO: the library's account of each reconfigure, in logs/
+        logging.basicConfig(level=os.environ["FTC10D_LOG_LEVEL"].upper(),
+                            format=f"%(asctime)s {os.getpid()} %(threadName)s %(name)s %(levelname)s: %(message)s")
     torch.set_num_threads(1)
     slot = int(os.environ.get("RANK", "0"))
     restart = int(os.environ.get("FTC10D_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))

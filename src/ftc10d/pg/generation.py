@@ -284,12 +284,18 @@ class Generation:
     def retire(self) -> None:
         """Drop the (aborted) backend on a background thread.
 
-        Destroying a ``ProcessGroupGloo`` joins its worker threads and closes its
-        sockets, a few milliseconds that do not belong on the reconfigure path.
+        Destroying a ``ProcessGroupGloo`` joins its worker threads and closes its sockets:
+        a few milliseconds normally, but **up to the op timeout** when the abort abandoned
+        an op that Gloo keeps running (its worker thread stays in it until then). So the
+        last reference must go on the retire thread, never on the caller's: the thread is
+        handed the only one, in a list it empties (a local variable here, outliving a thread
+        that had already finished, made every reconfigure after such an abort wait out the
+        op timeout: issue 14's 30-s join stall).
         """
-        backend, self.backend, self.comm.backend = self.backend, None, None
-        if backend is not None:
-            threading.Thread(target=_release, args=(backend,), name="ftc10d-retire", daemon=True).start()
+        holder = [self.backend]
+        self.backend = self.comm.backend = None
+        if holder[0] is not None:
+            threading.Thread(target=_release, args=(holder,), name="ftc10d-retire", daemon=True).start()
 
     def _drain(self) -> None:
         """Wait for the ops in flight, whose connections were just cut, to fail; abandon
@@ -356,8 +362,9 @@ def _settle(inner: Any, entry: Optional[OpRecord]) -> None:
             entry.fail("communication error")
 
 
-def _release(backend: Any) -> None:
-    """The thread's reference to ``backend`` is the last one; it goes when the thread ends."""
+def _release(holder: list[Any]) -> None:
+    """Drop the retired backend: ``holder`` holds its last reference (see ``Generation.retire``)."""
+    holder.clear()
 
 
 # ------------------------------------------------------------------- rendezvous
