@@ -103,3 +103,14 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     png = plot_timeline(out, build_report(out, world_size=3, steps=20))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 5000
+
+
+def test_the_longest_pause_is_the_longest_gap_between_job_commits_whatever_its_cause(tmp_path: Path) -> None:
+    """Step 10 at 0.45 s, the kill at 0.5 s, step 11 at 0.7 s (a gap of 0.25 s), step 12 at 1.0 s:
+    the longest gap is 11 -> 12 (0.3 s, while the replacement received its state), and the
+    report says when and what happened in it."""
+    report = build_report(synthetic_run(tmp_path), world_size=3, steps=20)
+    pause = report["longest_pause"]
+    assert report["longest_pause_s"] == pytest.approx(0.3, abs=1e-3)
+    assert (pause["after_step"], pause["to_step"]) == (11, 12)
+    assert "recovered" in pause["events"], pause

@@ -17,6 +17,9 @@ Definitions (also in docs/architecture.md):
 - ``stall_s`` is the longest time without any committed step between ``t_fault``
   and ``t_recovered``; ``steps_lost`` the most step attempts a survivor threw away
   (not committed) in that window;
+- ``longest_pause_s`` (and ``longest_pause``: between which steps, when, and the faults and
+  Manager events inside it) is the longest interval between consecutive job commits, whatever
+  its cause: the figure no per-fault window can miss;
 - ``step_time_median_s`` is the median interval between consecutive job commits,
   leaving out the first steps (warm-up) and every fault window (plus one second).
 """
@@ -167,6 +170,22 @@ def _join_entry(run: Run, ev: dict[str, Any], faults: list[dict[str, Any]]) -> d
     }
 
 
+def longest_pause(run: Run, faults: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The job's longest interval between two consecutive committed steps, whatever its cause,
+    with what happened in it (the faults whose window overlaps it, the Manager's events): the
+    pause a user feels, which per-fault stall windows can miss (a rejoin long after its fault)."""
+    commits = run.commit_times()
+    gaps = [(t1 - t0, s0, s1, t0, t1) for (s0, t0), (s1, t1) in zip(commits, commits[1:])]
+    if not gaps:
+        return None
+    gap, s0, s1, t0, t1 = max(gaps)
+    kinds = sorted({e["kind"] for e in run.events if t0 < e["t"] <= t1 and e["kind"] not in ("step", "fingerprint")})
+    during = [f"{f['kind']}:{f.get('slot')}" for f in faults
+              if f["t_fault"] <= t1 and (f.get("t_recovered") or f.get("t_resumed") or f["t_fault"]) >= t0]
+    return {"seconds": round(gap, 4), "after_step": s0, "to_step": s1, "t_start_s": round(t0 - run.t0, 3),
+            "faults": during, "events": kinds}
+
+
 def fingerprint_checks(run: Run) -> dict[str, Any]:
     """Fingerprints published for the same step, committed in the same configuration (the
     ``commit_epoch`` of the state), must be equal. A step that a worker applied alone in an
@@ -208,12 +227,15 @@ def build_report(out_dir: Path, *, world_size: int, steps: int, heartbeat_timeou
             continue
         intervals.append(t1 - t0)
     curve = run.loss_curve()
+    pause = longest_pause(run, faults)
     report: dict[str, Any] = {
         "world_size": world_size,
         "steps": steps,
         "completed": completed,
         "replicas_identical": identical,
         "step_time_median_s": round(statistics.median(intervals), 5) if intervals else None,
+        "longest_pause_s": pause["seconds"] if pause else None,
+        "longest_pause": pause,
         "faults": faults,
         "heartbeat_timeout_s": heartbeat_timeout,
         "steps_committed": max(run.commits, default=0),
