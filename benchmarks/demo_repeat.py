@@ -50,6 +50,7 @@ def one_run(out: Path, timeout: float) -> dict[str, Any]:
         checked_steps=fps.get("checked_steps"),
         disagreeing_steps=fps.get("disagreeing_steps"),
         stalls_s=[(f["kind"], f.get("stall_s")) for f in report.get("faults", [])],
+        longest_pause_s=report.get("longest_pause_s"),
     )
     rec["lie"] = rc == 0 and not (rec["completed"] and rec["identical"])
     return rec
@@ -69,7 +70,8 @@ def main() -> int:
         runs.append(rec)
         print(f"run {k:3d}: rc={rec['rc']} completed={rec['completed']} identical={rec['identical']} "
               f"hashes={rec.get('final_hashes')} fp-checked={rec.get('checked_steps')} "
-              f"disagreeing={rec.get('disagreeing_steps')} stalls={rec.get('stalls_s')} {rec['seconds']} s"
+              f"disagreeing={rec.get('disagreeing_steps')} stalls={rec.get('stalls_s')} "
+              f"longest pause={rec.get('longest_pause_s')} s, run {rec['seconds']} s"
               + ("  <-- EXIT 0 BUT NOT IDENTICAL" if rec["lie"] else ""), flush=True)
         (out / "summary.json").write_text(json.dumps({"runs": runs}, indent=1))
     good = [r for r in runs if r["completed"] and r["identical"]]
@@ -80,12 +82,14 @@ def main() -> int:
         "runs": len(runs), "identical": len(good), "not_identical_or_incomplete": len(runs) - len(good),
         "exit_0_but_not_identical": len(lies), "nonzero_exit_when_not_identical": len(honest),
         "median_run_s": statistics.median(r["seconds"] for r in runs) if runs else None,
+        "longest_pause_s": max((r.get("longest_pause_s") or 0.0 for r in runs), default=None),
         "runs_detail": runs,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\n{len(good)}/{len(runs)} runs completed with bitwise-identical replicas; "
           f"{len(lies)} exited 0 while not identical; {len(honest)} failed runs exited non-zero "
-          f"(median run {summary['median_run_s']} s)")
+          f"(median run {summary['median_run_s']} s); the job's longest pause over all runs: "
+          f"{summary['longest_pause_s']} s")
     return 0 if len(good) == len(runs) and not lies else 1
 
 
