@@ -107,6 +107,7 @@ def train_loop(pg: Any, member: Any, opts: dict[str, Any], publish: Callable[[st
         loss.backward()
         if opt.step():
             publish(f"fp/{manager.step}/{os.getpid()}", manager.fingerprint())
+            publish(f"epoch/{manager.step}/{os.getpid()}", str(manager.commit_epoch))  # the configuration that did
             publish(f"progress/{os.getpid()}", str(manager.step))
             if after_commit is not None:
                 after_commit()

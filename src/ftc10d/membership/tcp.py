@@ -359,7 +359,10 @@ class ReconnectingTCPStore(dist.Store):
         except Exception as exc:
             # torch's C++ wrappers (PrefixStore, Gloo) replace an exception raised by a Python
             # store with "INTERNAL ASSERT FAILED ... Not implemented": say what it really was.
-            logger.warning("store %s:%d: %s: %s", self._host, self._port, type(exc).__name__, exc)
+            # A wait that times out is how sliced waits work (the rendezvous waits in 0.25-s
+            # slices): normal operation, not a warning (issue 14).
+            logger.log(logging.DEBUG if _is_timeout(exc) else logging.WARNING, "store %s:%d: %s: %s",
+                       self._host, self._port, type(exc).__name__, exc)
             raise
 
     def _call_once(self, fn: Callable[[dist.TCPStore], T]) -> T:
