@@ -216,6 +216,7 @@ def bench_recovery(out: Path, *, world: int = 4, steps: int = 300, rounds: int =
         "join_stall_s": join.get("stall_s"),
         "freeze_first_commit_s": freeze.get("first_commit_s"), "freeze_stall_s": freeze.get("stall_s"),
         "freeze_rejoined": freeze.get("rejoined"), "replicas_identical": rep["replicas_identical"],
+        "longest_pause_s": rep.get("longest_pause_s"), "longest_pause": rep.get("longest_pause"),
     }
     _say("bench recovery: torchrun --max-restarts 1, SIGKILL rank 1 at step 60 ...", quiet)
     tr = torchrun_restart(out / "recovery-torchrun", world, 120, 60)
@@ -229,6 +230,7 @@ def bench_recovery(out: Path, *, world: int = 4, steps: int = 300, rounds: int =
             "kill_stall_le_2_steps": ftc_rec["kill_stall_steps"] <= 2,
             "freeze_recommit_le_hb_plus_100ms": (freeze.get("first_commit_s") or 99) <= hb + 0.1,
             "warm_join_le_500ms_after_kill": (join.get("since_kill_s") or 9) <= 0.5,
+            "longest_pause_le_hb_plus_1s": (rep.get("longest_pause_s") or 99) <= hb + 1.0,
         },
         "seconds": round(time.time() - t_begin, 1),
         "cpus": os.cpu_count(),
@@ -270,6 +272,8 @@ def format_result(r: dict[str, Any]) -> str:
         f"    ftc10d freeze (hb {f['heartbeat_timeout_s']:g} s)           survivors recommit "
         f"{_ms(f['freeze_first_commit_s'])} after SIGSTOP   target <= hb + 100 ms: "
         f"{ok[tg['freeze_recommit_le_hb_plus_100ms']]}",
+        f"    ftc10d longest pause of the job    {_ms(f.get('longest_pause_s'))} between two commits (whatever "
+        f"the cause: fault, join, rejoin)   target <= hb + 1 s: {ok[tg['longest_pause_le_hb_plus_1s']]}",
         f"    torchrun --max-restarts 1         first step {_ms(t['first_step_after_restart_s'])} after the kill "
         f"(workers restarted {_ms(t['restarted_workers_started_s'])}, rendezvous {_ms(t['rendezvous_done_s'])}); "
         f"{t['steps_lost_without_checkpoint']} steps to redo without a checkpoint",
