@@ -230,3 +230,11 @@ def test_a_guard_written_after_the_abort_returned_is_a_violation() -> None:
     assert len(problems) == 1 and "pid 2" in problems[0] and "changed after the abort" in problems[0]
     assert "invariant 2" in problems[0]
     assert checks.coverage(events)["guard_checks"] == 1
+
+
+def test_the_longest_pause_is_the_longest_gap_between_the_jobs_commits() -> None:
+    times = checks.commit_times(good_run())  # pid 1 commits step s at s + 0.01: gaps of 1 s
+    assert checks.longest_pause(times) == 1.0
+    late = good_run() + [ev(2, "commit", 40.0, step=6, fp="f6", member="m2", epoch=2)]  # step 6 at 40 s
+    assert checks.longest_pause(checks.commit_times(late)) == 35.0 - 0.01
+    assert checks.longest_pause([]) is None

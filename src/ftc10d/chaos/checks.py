@@ -275,6 +275,13 @@ def commit_times(events: list[dict[str, Any]]) -> list[tuple[float, int]]:
     return sorted((t, s) for s, t in first.items())
 
 
+def longest_pause(times: list[tuple[float, int]]) -> Optional[float]:
+    """The job's longest interval between two consecutive commits, whatever its cause: the
+    pause a user feels, which a per-fault window can miss (a rejoin long after its fault)."""
+    gaps = [b - a for (a, _), (b, _) in zip(times, times[1:])]
+    return round(max(gaps), 4) if gaps else None
+
+
 def stall_after(times: list[tuple[float, int]], t_fault: float, until: float) -> Optional[float]:
     """The longest time without a job commit from ``t_fault`` to the first commit after
     ``until`` (the end of the fault's window: resume or heal time plus a margin, which

@@ -52,6 +52,8 @@ def summarize(results: list[TrialResult], command: str) -> dict[str, Any]:
         "faults_by_kind": dict(sorted(by_kind.items())),
         "faults_skipped_by_kind": dict(sorted(skipped.items())),
         "worst_stall_s_by_kind": {k: (round(v, 3) if math.isfinite(v) else None) for k, v in sorted(worst.items())},
+        "longest_pause_s": max((r.longest_pause_s or 0.0 for r in results), default=None),
+        "longest_pause_s_by_trial": [r.longest_pause_s for r in results],
         "coverage": dict(sum((Counter(r.coverage) for r in results), Counter())),
         "trial_seconds": [round(r.duration_s, 1) for r in results],
         "command": command,
@@ -63,8 +65,9 @@ def _print_result(k: int, n: int, r: TrialResult) -> None:
                        else f"{i.fault.kind} skipped ({i.skipped})" if i.skipped else f"{i.fault.kind} ∞"
                        for i in r.injected)
     verdict = "survived" if r.survived else "VIOLATION"
-    print(f"trial {k + 1}/{n} seed {r.spec.seed}: {verdict} in {r.duration_s:.1f}s; stall: {stalls or '-'}",
-          flush=True)
+    pause = "-" if r.longest_pause_s is None else f"{r.longest_pause_s:.2f}s"
+    print(f"trial {k + 1}/{n} seed {r.spec.seed}: {verdict} in {r.duration_s:.1f}s; stall: {stalls or '-'}; "
+          f"longest pause {pause}", flush=True)
     if not r.survived:
         print(f"  schedule: {r.spec.describe()}", flush=True)
         for v in r.violations:

@@ -75,6 +75,8 @@ class TrialResult:
     notes: list[str] = field(default_factory=list)
     folder: str = ""
     coverage: dict[str, int] = field(default_factory=dict)
+    #: The job's longest interval between consecutive commits, whatever its cause (None: < 2 commits).
+    longest_pause_s: Optional[float] = None
 
     @property
     def survived(self) -> bool:
@@ -85,7 +87,7 @@ class TrialResult:
                 "survived": self.survived, "violations": self.violations,
                 "faults": [i.to_json() for i in self.injected], "duration_s": round(self.duration_s, 3),
                 "returncode": self.returncode, "notes": self.notes, "folder": self.folder,
-                "coverage": self.coverage}
+                "coverage": self.coverage, "longest_pause_s": self.longest_pause_s}
 
 
 class Trial:
@@ -426,7 +428,7 @@ class Trial:
         if checks.own_listening_sockets() > sockets_before:
             violations.append("the chaos runner holds more listening sockets than before the trial")
         return TrialResult(spec, checks.condense(violations), injected, duration, rc, self.notes, str(self.folder),
-                           checks.coverage(events))
+                           checks.coverage(events), checks.longest_pause(checks.commit_times(events)))
 
     def _read_chain(self) -> Optional[dict[int, list[str]]]:
         """epoch -> member ids of every configuration, from the membership store (the coordinator
