@@ -51,6 +51,7 @@ def one_run(out: Path, timeout: float) -> dict[str, Any]:
         disagreeing_steps=fps.get("disagreeing_steps"),
         stalls_s=[(f["kind"], f.get("stall_s")) for f in report.get("faults", [])],
         longest_pause_s=report.get("longest_pause_s"),
+        pause_ok=report.get("longest_pause_ok"),
     )
     rec["lie"] = rc == 0 and not (rec["completed"] and rec["identical"])
     return rec
@@ -83,13 +84,14 @@ def main() -> int:
         "exit_0_but_not_identical": len(lies), "nonzero_exit_when_not_identical": len(honest),
         "median_run_s": statistics.median(r["seconds"] for r in runs) if runs else None,
         "longest_pause_s": max((r.get("longest_pause_s") or 0.0 for r in runs), default=None),
+        "pause_over_bound": sum(r.get("pause_ok") is False for r in runs),
         "runs_detail": runs,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\n{len(good)}/{len(runs)} runs completed with bitwise-identical replicas; "
           f"{len(lies)} exited 0 while not identical; {len(honest)} failed runs exited non-zero "
           f"(median run {summary['median_run_s']} s); the job's longest pause over all runs: "
-          f"{summary['longest_pause_s']} s")
+          f"{summary['longest_pause_s']} s; {summary['pause_over_bound']} run(s) over the demo's pause bound")
     return 0 if len(good) == len(runs) and not lies else 1
 
 

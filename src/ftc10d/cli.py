@@ -61,14 +61,18 @@ def subcommand(name: str, help: str, *args: _Arg) -> Callable[[Handler], Handler
         help="a member whose heartbeat is silent this long is removed (default: 1)"),
     arg("--spares", type=int, default=1, metavar="N", help="warm spares kept ready (default: 1)"),
     arg("--timeout", type=float, default=180.0, metavar="SECONDS", help="bound of the whole run (default: 180)"),
+    arg("--max-pause", type=float, default=None, metavar="SECONDS",
+        help="bound of the job's longest pause between two committed steps, whatever its cause; the demo exits "
+             "non-zero above it (default: heartbeat timeout + 1)"),
     arg("--no-live", dest="live", action="store_false", help="plain log lines instead of the live view"),
 )
 def demo(args: argparse.Namespace) -> int:
     """Launch WORLD_SIZE workers (and warm spares) training a ~0.5 M-parameter MLP on
     teacher data with DDP through ftc10d, inject the fault schedule, show progress
     live, then print a summary (stall per fault, steps lost, replicas identical) and
-    write report.json and timeline.png into --out. Exits 0 only if the job completed
-    and every live replica ended bitwise-identical."""
+    write report.json and timeline.png into --out. Exits 0 only if the job completed,
+    every live replica ended bitwise-identical and the job's longest pause between two
+    commits stayed within --max-pause."""
     if args.world_size < 2:
         args.parser.error("--world-size must be at least 2")
     if args.steps < 2:
@@ -77,6 +81,8 @@ def demo(args: argparse.Namespace) -> int:
         args.parser.error("--heartbeat-timeout must be positive")
     if args.spares < 0:
         args.parser.error("--spares must be >= 0")
+    if args.max_pause is not None and args.max_pause <= 0:
+        args.parser.error("--max-pause must be positive")
     from ftc10d.demo.faults import FaultScheduleError, parse_schedule
 
     try:
@@ -87,7 +93,7 @@ def demo(args: argparse.Namespace) -> int:
 
     return driver.main(out=args.out, world_size=args.world_size, steps=args.steps, faults=args.faults,
                        heartbeat_timeout=args.heartbeat_timeout, live=args.live, spares=args.spares,
-                       timeout=args.timeout)
+                       timeout=args.timeout, max_pause=args.max_pause)
 
 
 @subcommand(

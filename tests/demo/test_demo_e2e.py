@@ -21,7 +21,8 @@ def test_demo_short_run_recovers_and_replicas_agree(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     proc = subprocess.run(
         [sys.executable, "-m", "ftc10d", "demo", "--no-live", "--out", str(out), "--steps", "100",
-         "--faults", "kill:1@15,freeze:2@40:1.2", "--heartbeat-timeout", "0.5", "--timeout", "120"],
+         "--faults", "kill:1@15,freeze:2@40:1.2", "--heartbeat-timeout", "0.5", "--timeout", "120",
+         "--max-pause", "20"],  # behaviour, not timing: a bound a loaded CI machine cannot miss
         env=env, capture_output=True, text=True, timeout=140,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -32,6 +33,10 @@ def test_demo_short_run_recovers_and_replicas_agree(tmp_path: Path) -> None:
     assert report["replicas_identical"] is True
     assert report["fingerprint_checks"]["checked_steps"] >= 5
     assert report["step_time_median_s"] > 0
+    # The job's longest pause is a figure of its own, checked against --max-pause.
+    assert report["longest_pause_bound_s"] == 20.0 and report["longest_pause_ok"] is True
+    assert 0 < report["longest_pause_s"] <= 20.0 and report["longest_pause"]["to_step"] > 0
+    assert "longest pause between commits:" in proc.stdout
     kinds = [f["kind"] for f in report["faults"]]
     assert kinds.count("kill") == 1 and kinds.count("freeze") == 1 and kinds.count("join") >= 1
     for f in report["faults"]:

@@ -50,3 +50,12 @@ def test_cli_rejects_a_bad_schedule_before_starting_anything(capsys: pytest.Capt
         main(["demo", "--faults", "kill:9@30"])
     assert info.value.code == 2
     assert "slot 9 is not in [0, 4)" in capsys.readouterr().err
+
+
+def test_cli_rejects_a_pause_bound_that_is_not_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    from ftc10d.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--max-pause", "0"])
+    assert info.value.code == 2
+    assert "--max-pause must be positive" in capsys.readouterr().err

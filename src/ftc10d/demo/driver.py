@@ -36,6 +36,12 @@ class DemoConfig:
     timeout: float = 180.0
     lr: float = 1e-3
     extra_args: list[str] = field(default_factory=list)  # more worker.py arguments (bench)
+    #: Bound of the job's longest pause between two commits (None: heartbeat timeout + 1 s).
+    max_pause: Optional[float] = None
+
+    @property
+    def pause_bound(self) -> float:
+        return self.max_pause if self.max_pause is not None else self.heartbeat_timeout + 1.0
 
 
 class Tail:
@@ -286,6 +292,8 @@ def run_demo(cfg: DemoConfig, view: Any, *, quiet: bool = False) -> tuple[int, d
                           extra={"schedule": [str(f) for f in cfg.faults], "spares": cfg.spares})
     report["faults_injected"] = len(state.injected)
     report["all_recovered"] = all(f["recovered"] for f in report["faults"])
+    report["longest_pause_bound_s"] = cfg.pause_bound
+    report["longest_pause_ok"] = report["longest_pause_s"] is not None and report["longest_pause_s"] <= cfg.pause_bound
     write_report(report, out)
     try:
         from ftc10d.demo.plot import plot_timeline
@@ -294,19 +302,20 @@ def run_demo(cfg: DemoConfig, view: Any, *, quiet: bool = False) -> tuple[int, d
     except ImportError as exc:  # matplotlib is the `demo` extra
         report["plot_error"] = f"no timeline.png: {exc} (pip install 'ftc10d[demo]')"
         write_report(report, out)
-    ok = rc == 0 and report["completed"] and report["replicas_identical"]
+    # A demo that says "yes" after a long pause would be lying to its user: the pause is part of the verdict.
+    ok = rc == 0 and report["completed"] and report["replicas_identical"] and report["longest_pause_ok"]
     return (0 if ok else 1), report
 
 
 def main(*, out: str, world_size: int, steps: int, faults: Optional[str], heartbeat_timeout: float, live: bool,
-         spares: int = 1, timeout: float = 180.0) -> int:
+         spares: int = 1, timeout: float = 180.0, max_pause: Optional[float] = None) -> int:
     """``ftc10d demo``: parse the schedule (raises FaultScheduleError), run, print the summary."""
     from ftc10d.demo.faults import parse_schedule
     from ftc10d.demo.live import LiveView, PlainView, print_summary
 
     schedule = parse_schedule(faults, world_size=world_size, steps=steps)
     cfg = DemoConfig(Path(out), world_size=world_size, steps=steps, faults=schedule,
-                     heartbeat_timeout=heartbeat_timeout, spares=spares, timeout=timeout)
+                     heartbeat_timeout=heartbeat_timeout, spares=spares, timeout=timeout, max_pause=max_pause)
     use_rich = live
     if live:
         try:

@@ -115,12 +115,13 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
 HEADERS = ["fault", "slot", "at step", "stall", "steps lost", "recovered", "notes"]
 
 
-def _pause_line(pause: Optional[dict[str, Any]]) -> str:
+def _pause_line(pause: Optional[dict[str, Any]], bound: Optional[float] = None) -> str:
     if not pause:
         return "longest pause between commits: -"
     why = ", ".join(pause["faults"] + [k for k in pause["events"] if k in ("reconfigured", "recovered", "fenced")])
+    verdict = "" if bound is None else f"; bound {bound:g} s: {'ok' if pause['seconds'] <= bound else 'EXCEEDED'}"
     return (f"longest pause between commits: {_fmt(pause['seconds'])} (steps {pause['after_step']} -> "
-            f"{pause['to_step']}, at {pause['t_start_s']} s{'; ' + why if why else ''})")
+            f"{pause['to_step']}, at {pause['t_start_s']} s{'; ' + why if why else ''}{verdict})")
 
 
 def print_summary(report: dict[str, Any], out_dir: str, *, rich_output: bool) -> None:
@@ -135,7 +136,7 @@ def print_summary(report: dict[str, Any], out_dir: str, *, rich_output: bool) ->
         f"checked steps)",
         f"step time (median, no fault): {_fmt(med)}; loss {report.get('loss_first') or 0:.4g} -> "
         f"{report.get('loss_last') or 0:.4g}",
-        _pause_line(report.get("longest_pause")),
+        _pause_line(report.get("longest_pause"), report.get("longest_pause_bound_s")),
         f"wrote {out_dir}/report.json and {out_dir}/timeline.png",
     ]
     rows = summary_rows(report)
