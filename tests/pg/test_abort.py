@@ -245,20 +245,28 @@ def test_aborting_after_waited_send_and_recv_does_not_wait_them_again() -> None:
     assert all(s < 5.0 for s in res.values()), res
 
 
-def _op_the_cut_cannot_reach(rank: int, world: int, port: int) -> dict:
+def _uncuttable_group(rank: int, world: int, port: int, timeout_s: float) -> ftc10d.ProcessGroup:
+    """Rank 1 stops itself (the test kills it, stopped); rank 0 gets its group back with an
+    abort whose cut reaches nothing.
+
+    Gloo leaves a send queued on a connection its peer had already closed waiting out the
+    op's timeout (the frozen side of a SIGSTOP, resumed after the others aborted: about 1
+    demo run in 7 here). That race cannot be provoked on demand; its effect can: the cut
+    reaches nothing, so ops issued now stay blocked on the stopped peer inside Gloo."""
     store = harness.client_store(port)
-    pg = ftc10d.ProcessGroup(store, rank, world, timeout=timedelta(seconds=60))
+    pg = ftc10d.ProcessGroup(store, rank, world, timeout=timedelta(seconds=timeout_s))
     harness.store_barrier(store, "ready", rank, world)
     if rank == 1:
-        os.kill(os.getpid(), signal.SIGSTOP)  # the test kills it, stopped
+        os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(300)
-    # Gloo leaves a send queued on a connection its peer had already closed waiting out the
-    # op's timeout (the frozen side of a SIGSTOP, resumed after the others aborted: about 1
-    # demo run in 7 here). That race cannot be provoked on demand; its effect can: the cut
-    # reaches nothing, so the ops below stay blocked on the stopped peer inside Gloo.
     gen = pg.generation
     assert gen is not None
     gen.comm.shutdown_pairs = lambda: 0  # type: ignore[method-assign]
+    return pg
+
+
+def _op_the_cut_cannot_reach(rank: int, world: int, port: int) -> dict:
+    pg = _uncuttable_group(rank, world, port, 60.0)
     fut = pg.allreduce([torch.ones(N)]).get_future()  # what DDP's reducer waits on
     waited = pg.allreduce([torch.ones(N)])  # waited directly
     received = pg.recv([torch.zeros(N)], 1, 3)  # a send/recv: Gloo gives it no future
@@ -343,15 +351,7 @@ def test_abort_completes_when_a_pair_descriptor_was_reused_by_a_non_socket() -> 
 
 
 def _reconfigure_after_an_abandoned_op(rank: int, world: int, port: int) -> dict:
-    store = harness.client_store(port)
-    pg = ftc10d.ProcessGroup(store, rank, world, timeout=timedelta(seconds=OP_TIMEOUT_S))
-    harness.store_barrier(store, "ready", rank, world)
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGSTOP)  # the test kills it, stopped
-        time.sleep(300)
-    gen = pg.generation
-    assert gen is not None
-    gen.comm.shutdown_pairs = lambda: 0  # type: ignore[method-assign]  # as in _op_the_cut_cannot_reach
+    pg = _uncuttable_group(rank, world, port, OP_TIMEOUT_S)
     stuck = [pg.allreduce([torch.ones(N)]), pg.allreduce([torch.ones(N)])]  # two: one per Gloo worker thread
     time.sleep(0.3)
     pg.abort()  # the drain abandons both: Gloo's threads stay in them until the op timeout
