@@ -385,6 +385,15 @@ def claim_uuid(store: dist.Store, plan: Plan) -> None:
     if current == sig:
         return
     if current == f"used:{sig}":
+        # A rendezvous given up before this member arrived left a tombstone in its slot: say
+        # so (the same error its members got), not "reused", which reads as a caller's bug.
+        mine = rank_keys(plan)[plan.rank]
+        if store.check([mine]):
+            slots = [""] * plan.size
+            slots[plan.rank] = store.get(mine).decode()
+            gave_up = _abandoned(plan, slots)
+            if gave_up is not None:
+                raise gave_up
         raise UuidReusedError(
             f"uuid {plan.uuid} was already used for a configuration (or an attempt that failed) with these "
             f"{plan.size} members; every reconfigure needs a fresh uuid"
