@@ -19,8 +19,9 @@ delay another:
   from a supervisor are proposed at once; the heartbeats of ``watchers`` ring
   successors are read every ``watch_interval``, and a lapse is proposed.
   While joining it proposes its own admission.
-- **watch**: waits (server-pushed) for the next configuration slot and adopts
-  it; a configuration that excludes this member fences it.
+- **watch**: waits for the next configuration slot (``MembershipStore.wait_for``:
+  an etcd watch, or a silent TCPStore ``check`` every 20 ms) and adopts it; a
+  configuration that excludes this member fences it.
 
 Fencing: once fenced, every method raises :class:`ftc10d.Fenced`, and every
 attached ProcessGroup is aborted, so nothing of the old configuration can go on
@@ -72,7 +73,8 @@ from ftc10d.types import (
 logger = logging.getLogger("ftc10d")
 _SUCCESS = ErrorType.SUCCESS
 
-#: How long the watch thread blocks in one server-side wait before looking around.
+#: How long the watch thread waits for the next configuration before looking around
+#: (its own state may have changed: a re-form, a close).
 WAIT_SLICE = 5.0
 
 #: A member that misses this many rendezvous in a row of the newest configuration while
@@ -570,7 +572,7 @@ class Member:
             self._cv.notify_all()
         self._pgs.clear()
         for t in self._threads:
-            # The watch thread may sit in a server-side wait (up to WAIT_SLICE): it is a daemon
+            # The watch thread may sit in a wait for the next configuration (up to WAIT_SLICE): it is a daemon
             # and exits when that returns; the others stop within one interval.
             if t is not threading.current_thread() and not t.name.endswith("watch"):
                 t.join(2.0)

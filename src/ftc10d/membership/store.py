@@ -116,8 +116,9 @@ class MembershipStore(ABC):
     @abstractmethod
     def wait_for(self, key: str, timeout: float) -> Optional[bytes]:
         """Block until ``key`` exists (or ``timeout`` seconds pass: None) and return its value.
-        Server-pushed where the backend can (TCPStore wait, etcd watch), so a new
-        configuration reaches every waiter within one round trip of its creation."""
+        A new configuration must reach every waiter within milliseconds of its creation
+        (an etcd watch; TCPStore: a silent ``check`` every 20 ms), and waiting must log
+        nothing: it is a member's normal state."""
 
     # ------------------------------------------------------------------ lease
 

@@ -1,10 +1,11 @@
 """TCPStore backend (the embedded default) and the coordinator that hosts it.
 
 torch's C++ ``TCPStore`` is the store: ``compare_set`` is the atomic create
-that decides each epoch, ``append`` keeps the join log, and ``wait`` is a
-server-pushed notification, so a new configuration reaches every member one
-round trip after it is created. It has no leases: liveness is the heartbeat
-counters (``detector.py``).
+that decides each epoch, ``append`` keeps the join log, and members look for the
+next configuration with ``check`` every ``POLL_S`` (20 ms), so a new configuration
+reaches every member within 20 ms of its creation (why not the server-pushed
+``wait``: see ``TCPMembershipStore.wait_for``). It has no leases: liveness is the
+heartbeat counters (``detector.py``).
 
 :class:`Coordinator` hosts the store (the launcher embeds one; ``ftc10d
 coordinator --port N`` runs one on its own). It binds to **loopback** unless
@@ -99,6 +100,14 @@ class TCPMembershipStore(MembershipStore):
         # A first connection gets a generous deadline; a reconnect is kept short, so that a
         # member notices a dead store within a couple of heartbeats.
         limit = self.connect_timeout if self._ever_connected else max(self.connect_timeout, self.timeout, 12.0)
+        client = self._new_client(limit)
+        if self._ever_connected:
+            self.connection_epoch += 1
+            logger.info("membership: reconnected to %s", self.describe())
+        self._ever_connected = True
+        return client
+
+    def _new_client(self, limit: float) -> dist.TCPStore:
         deadline = time.monotonic() + limit
         while True:
             # Attempts, retried: torch's client resolves the peer's name on every connect, and on
@@ -115,10 +124,6 @@ class TCPMembershipStore(MembershipStore):
                 if time.monotonic() >= deadline:
                     raise StoreUnavailableError(f"membership store {self.describe()} is unreachable: {exc}") from exc
         client.set_timeout(timedelta(seconds=self.timeout))
-        if self._ever_connected:
-            self.connection_epoch += 1
-            logger.info("membership: reconnected to %s", self.describe())
-        self._ever_connected = True
         return client
 
     def _call(self, fn: Callable[[dist.TCPStore], T]) -> T:
@@ -195,21 +200,34 @@ class TCPMembershipStore(MembershipStore):
         return [(i + 1, mid) for i, mid in enumerate(ids) if i + 1 > after and mid]
 
     def wait_for(self, key: str, timeout: float) -> Optional[bytes]:
+        """Block until ``key`` exists, at most ``timeout`` seconds (then None), looking every
+        ``POLL_S`` with ``check``.
+
+        Why not the server-pushed ``TCPStore.wait(key, timeout)``: torch's client logs two
+        C10D warnings ("waitForInput ... timed out after 5000ms") every time such a wait
+        times out, and a member watches for the next configuration for as long as its job
+        runs: a warning every few seconds per process for normal operation (issue 14). A
+        wait without a timeout cannot be interrupted (a member that closes would leave it
+        blocked, and a thread that returns from C++ while the interpreter exits aborts the
+        process). ``check`` logs nothing; the price is up to ``POLL_S`` of latency and one
+        small request per ``POLL_S`` per waiting member, less than its failure detector's
+        polling (``watch_interval``, heartbeat timeout / 40)."""
         k = self._k(key)
-
-        def op(c: dist.TCPStore) -> Optional[bytes]:
-            try:
-                c.wait([k], timedelta(seconds=max(timeout, 0.001)))
-            except Exception as exc:
-                if _is_timeout(exc):
-                    return None
-                raise
-            return c.get(k)
-
-        return self._call(op)
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            if self._call(lambda c: c.check([k])):
+                return self._call(lambda c: c.get(k))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            time.sleep(min(POLL_S, left))
 
     def close(self) -> None:
         self._client = None
+
+
+#: How often ``TCPMembershipStore.wait_for`` looks for its key.
+POLL_S = 0.02
 
 
 # ================================================================ coordinator

@@ -414,6 +414,47 @@ def rank_keys(plan: Plan) -> list[str]:
     return [f"{KEY_ROOT}/cfg/{plan.uuid}/rank/{r}" for r in range(plan.size)]
 
 
+class SideConnection:
+    """A second connection to a group's store, opened in the background ahead of need.
+
+    An abort gives a pending rendezvous up by writing on it while the group's own
+    connection is held by the waiting thread. Opened ahead because a connect can take
+    seconds (one in about 28 stalls 5 s on the chaos machine, a resolver wait inside
+    torch's client), and the whole job, waiting for this member in the next
+    rendezvous, would wait that out with it (finding 10 of docs/reliability.md)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+        self._conn: Optional[dist.Store] = None
+        self._lock = threading.Lock()
+        self._opening = False
+
+    def open_async(self) -> None:
+        with self._lock:
+            if self._conn is not None or self._opening:
+                return
+            self._opening = True
+        threading.Thread(target=self._open, name="ftc10d-side-store", daemon=True).start()
+
+    def _open(self) -> None:
+        try:
+            conn = self._store.clone()
+        except Exception as exc:  # an abort then opens one when it needs it
+            logger.debug("could not open a second store connection ahead of time: %s", exc)
+            conn = None
+        with self._lock:
+            self._conn, self._opening = conn, False
+
+    def ready(self) -> Optional[dist.Store]:
+        """The connection if it is open, else None (never blocks)."""
+        return self._conn
+
+    def drop(self) -> None:
+        """Forget a connection that failed; the next ``open_async`` opens another."""
+        with self._lock:
+            self._conn = None
+
+
 class PendingRendezvous:
     """A rendezvous in progress, which another thread can give up.
 
@@ -427,16 +468,19 @@ class PendingRendezvous:
     other member, wake at once and raise :class:`ReconfigureAbandonedError`, and
     a member arriving later finds its slot taken and gives up too. Either all of
     the members connect (every slot was taken before the tombstones) or none does.
-    The tombstones are written from a second store connection on a short-lived
-    thread, because the waiting thread holds the first one inside ``wait``.
+    The tombstones are written from a short-lived thread on the group's
+    :class:`SideConnection`, because the waiting thread holds the first one inside
+    ``wait``.
     """
 
-    def __init__(self, store: dist.Store, plan: Plan, given_up: Optional[str] = None) -> None:
+    def __init__(self, store: dist.Store, plan: Plan, given_up: Optional[str] = None,
+                 side: Optional[SideConnection] = None) -> None:
         self.store = store
         self.plan = plan
         self.keys = rank_keys(plan)
         self.why = given_up or ""
         self.abandoned = threading.Event()
+        self.side = side
         if given_up is not None:
             # Given up before it began: the rendezvous writes the tombstones itself, on its
             # own connection, before it waits; no second connection is needed.
@@ -451,33 +495,39 @@ class PendingRendezvous:
         threading.Thread(target=self._tombstone, args=(why,), name="ftc10d-abandon", daemon=True).start()
 
     def _tombstone(self, why: str) -> None:
-        try:
-            store = self.store.clone()
-        except Exception as exc:  # a store that cannot clone: the waiters give up at their timeout
-            logger.warning("rendezvous %d: cannot give up early, the store has no clone() (%s)", self.plan.uuid, exc)
-            return
         value = f"{ABANDONED}|{why}"
-        for key in self.keys:
+        side = self.side.ready() if self.side is not None else None
+        for attempt in ("side", "new"):
+            if attempt == "side" and side is None:
+                continue
             try:
-                store.compare_set(key, "", value)
-            except Exception as exc:
-                logger.warning("rendezvous %d: could not give up slot %s: %s", self.plan.uuid, key, exc)
+                store = side if attempt == "side" else self.store.clone()
+                for key in self.keys:
+                    store.compare_set(key, "", value)
                 return
+            except Exception as exc:  # e.g. the side connection broke: try a new one
+                logger.info("rendezvous %d: giving up over the %s connection failed: %s", self.plan.uuid, attempt, exc)
+                if attempt == "side" and self.side is not None:
+                    self.side.drop()
+        logger.warning("rendezvous %d: could not give it up early; its waiters give up at their timeout (%g s)",
+                       self.plan.uuid, self.plan.timeout.total_seconds())
 
 
-#: While a rendezvous waits, how often it looks whether its own member gave it up.
+#: While a rendezvous waits and its group has no second store connection open yet, how
+#: often it looks whether its own member gave it up.
 ABANDON_POLL_S = 0.25
 
 
 def _wait_unless_abandoned(store: dist.Store, keys: list[str], plan: Plan,
                            pending: Optional[PendingRendezvous]) -> None:
-    """``store.wait(keys, plan.timeout)``; if this member gives the rendezvous up meanwhile,
-    it writes the tombstones itself on this connection (free between two short waits) and
-    returns, and the caller reads them. The abandoning thread writes them too, but on a new
-    store connection, and a connect can take seconds (one in about 28 stalls 5 s on the
-    chaos machine, a resolver wait inside torch's client): the whole job, waiting for this
-    member in the next rendezvous, would wait that out with it. Slots already taken keep
-    their member (``compare_set``), so the members still all connect, or none does."""
+    """``store.wait(keys, plan.timeout)``, in one piece once the group's side connection is
+    open: :meth:`PendingRendezvous.abandon` then writes the tombstones over it in
+    milliseconds, and they end this wait. Until then (a group's first moments) it waits
+    in short slices, and if its member gives it up meanwhile it writes the tombstones
+    itself on this connection (free between two slices) and returns: a new connection
+    could take seconds to open. One wait, not slices, where it can: torch's client logs
+    two warnings for each wait that times out (issue 14). Slots already taken keep their
+    member (``compare_set``), so the members still all connect, or none does."""
     if pending is None:
         store.wait(keys, plan.timeout)
         return
@@ -490,6 +540,9 @@ def _wait_unless_abandoned(store: dist.Store, keys: list[str], plan: Plan,
         left = deadline - time.monotonic()
         if left <= 0:
             store.wait(keys, timedelta(milliseconds=1))  # the store's own timeout error unless all arrived
+            return
+        if pending.side is not None and pending.side.ready() is not None:
+            store.wait(keys, timedelta(seconds=left))
             return
         try:
             store.wait(keys, timedelta(seconds=min(ABANDON_POLL_S, left)))

@@ -31,6 +31,7 @@ from ftc10d.pg import signature as _signature
 from ftc10d.pg.generation import (
     Generation,
     PendingRendezvous,
+    SideConnection,
     bootstrap,
     claim_uuid,
     is_communication_failure,
@@ -136,6 +137,9 @@ class ProcessGroup(dist.ProcessGroup):
         self._reconfigure_lock = threading.Lock()
         #: The rendezvous a reconfigure() is waiting in, if any: abort() gives it up.
         self._pending: Optional[PendingRendezvous] = None
+        # A second store connection, opened ahead of time, on which an abort gives a pending
+        # rendezvous up while the first one waits in it (see PendingRendezvous).
+        self._side = SideConnection(store)
         # uuids whose rendezvous was given up before it began (abandon_reconfigure); a uuid
         # is used once, so the entry is dropped when that rendezvous starts.
         self._given_up: dict[int, str] = {}
@@ -158,6 +162,7 @@ class ProcessGroup(dist.ProcessGroup):
             )
             self._gen.on_error = self._notify_error
             c10d.update_ranks(self)
+        self._side.open_async()
         for fn in list(GROUP_CREATED):
             fn(self, flight_recorder)
         if self._observer is not None and self._gen is not None:
@@ -262,7 +267,9 @@ class ProcessGroup(dist.ProcessGroup):
             if old is not None:
                 old.abort(ErrorType.COMM_ERROR, f"reconfigured to generation {plan.uuid}")
             # given up before it began (abandon_reconfigure): the waits below end at once
-            self._pending = PendingRendezvous(self._store, plan, given_up=self._given_up.pop(plan.uuid, None))
+            self._side.open_async()  # normally open already (since __init__)
+            self._pending = PendingRendezvous(self._store, plan, given_up=self._given_up.pop(plan.uuid, None),
+                                              side=self._side)
             try:
                 gen = rendezvous(self._store, plan, c10d.global_rank(self), self._timeout, self._fire_abort_hooks,
                                  self._pending)
@@ -321,6 +328,7 @@ class ProcessGroup(dist.ProcessGroup):
         if gen is not None and not gen.aborted:
             gen.abort(ErrorType.SUCCESS, "the group was shut down", hooks=False)
             gen.retire()
+        self._side.drop()
 
     def get_error(self) -> Any:
         gen = self._gen
