@@ -238,3 +238,15 @@ def test_the_longest_pause_is_the_longest_gap_between_the_jobs_commits() -> None
     late = good_run() + [ev(2, "commit", 40.0, step=6, fp="f6", member="m2", epoch=2)]  # step 6 at 40 s
     assert checks.longest_pause(checks.commit_times(late)) == 35.0 - 0.01
     assert checks.longest_pause([]) is None
+    assert checks.longest_pause_at(checks.commit_times(late)) == (5, 6)
+    assert checks.longest_pause_at([]) == (-1, -1)
+
+
+def test_the_pause_bound_is_two_detections_and_an_allowance_plus_a_store_outage() -> None:
+    hb = 0.75
+    plain = TrialSpec(1, [Fault("kill", 1, 20), Fault("stop_long", 2, 60, 2.0)], heartbeat_timeout=hb)
+    assert checks.pause_bound(plain) == 2 * hb + checks.PAUSE_ALLOWANCE_S
+    store = TrialSpec(1, [Fault("store", 0, 20, 1.2), Fault("kill", 1, 60)], heartbeat_timeout=hb)
+    assert checks.pause_bound(store) == round(2 * hb + checks.PAUSE_ALLOWANCE_S + 1.2 + hb, 3)
+    # The 30-s join stall of issue 14 and a 5-s store connect stall are both over it.
+    assert checks.pause_bound(plain) < 5.0 and checks.pause_bound(store) < 30.0

@@ -275,11 +275,41 @@ def commit_times(events: list[dict[str, Any]]) -> list[tuple[float, int]]:
     return sorted((t, s) for s, t in first.items())
 
 
+def longest_pause_at(times: list[tuple[float, int]]) -> tuple[int, int]:
+    """The steps (before, after) around the job's longest pause; (-1, -1) with < 2 commits."""
+    pairs = list(zip(times, times[1:]))
+    if not pairs:
+        return (-1, -1)
+    (_, a), (_, b) = max(pairs, key=lambda p: p[1][0] - p[0][0])
+    return (a, b)
+
+
 def longest_pause(times: list[tuple[float, int]]) -> Optional[float]:
     """The job's longest interval between two consecutive commits, whatever its cause: the
     pause a user feels, which a per-fault window can miss (a rejoin long after its fault)."""
     gaps = [b - a for (a, _), (b, _) in zip(times, times[1:])]
     return round(max(gaps), 4) if gaps else None
+
+
+#: The pause any single fault may cause beyond detection, on this class of machine: one
+#: rendezvous and a redone step, then a replacement's admission with its state transfer
+#: (they can fall into the same gap), with room for a loaded 2-core machine.
+PAUSE_ALLOWANCE_S = 2.0
+
+
+def pause_bound(spec: Any) -> float:
+    """The longest pause between two commits a trial may show: two heartbeat timeouts (a
+    failure's detection, and the removal of a second member a double fault or a freeze
+    can add) plus :data:`PAUSE_ALLOWANCE_S`; a fault that takes the membership store
+    away adds its downtime and a heartbeat timeout for the members to re-form. A 5-s or
+    30-s stall inside any reconfigure -- a join, a rejoin, a store restart -- exceeds
+    it: the pause a user feels, whatever its cause (issue 14)."""
+    hb = float(spec.heartbeat_timeout)
+    extra = 0.0
+    for f in spec.faults:
+        if f.kind in ("store", "etcd"):
+            extra = max(extra, float(f.duration or 0.0) + hb)
+    return round(2 * hb + PAUSE_ALLOWANCE_S + extra, 3)
 
 
 def stall_after(times: list[tuple[float, int]], t_fault: float, until: float) -> Optional[float]:

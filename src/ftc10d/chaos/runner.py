@@ -54,6 +54,9 @@ def summarize(results: list[TrialResult], command: str) -> dict[str, Any]:
         "worst_stall_s_by_kind": {k: (round(v, 3) if math.isfinite(v) else None) for k, v in sorted(worst.items())},
         "longest_pause_s": max((r.longest_pause_s or 0.0 for r in results), default=None),
         "longest_pause_s_by_trial": [r.longest_pause_s for r in results],
+        "pause_bound_s_by_trial": [r.pause_bound_s for r in results],
+        "pauses_over_bound": sum(1 for r in results if r.longest_pause_s is not None and r.pause_bound_s is not None
+                                 and r.longest_pause_s > r.pause_bound_s),
         "coverage": dict(sum((Counter(r.coverage) for r in results), Counter())),
         "trial_seconds": [round(r.duration_s, 1) for r in results],
         "command": command,
@@ -65,7 +68,7 @@ def _print_result(k: int, n: int, r: TrialResult) -> None:
                        else f"{i.fault.kind} skipped ({i.skipped})" if i.skipped else f"{i.fault.kind} ∞"
                        for i in r.injected)
     verdict = "survived" if r.survived else "VIOLATION"
-    pause = "-" if r.longest_pause_s is None else f"{r.longest_pause_s:.2f}s"
+    pause = "-" if r.longest_pause_s is None else f"{r.longest_pause_s:.2f}s (bound {r.pause_bound_s:g}s)"
     print(f"trial {k + 1}/{n} seed {r.spec.seed}: {verdict} in {r.duration_s:.1f}s; stall: {stalls or '-'}; "
           f"longest pause {pause}", flush=True)
     if not r.survived:

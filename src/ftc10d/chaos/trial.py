@@ -77,6 +77,8 @@ class TrialResult:
     coverage: dict[str, int] = field(default_factory=dict)
     #: The job's longest interval between consecutive commits, whatever its cause (None: < 2 commits).
     longest_pause_s: Optional[float] = None
+    #: The bound it was checked against (``checks.pause_bound``); above it is a violation.
+    pause_bound_s: Optional[float] = None
 
     @property
     def survived(self) -> bool:
@@ -87,7 +89,8 @@ class TrialResult:
                 "survived": self.survived, "violations": self.violations,
                 "faults": [i.to_json() for i in self.injected], "duration_s": round(self.duration_s, 3),
                 "returncode": self.returncode, "notes": self.notes, "folder": self.folder,
-                "coverage": self.coverage, "longest_pause_s": self.longest_pause_s}
+                "coverage": self.coverage, "longest_pause_s": self.longest_pause_s,
+                "pause_bound_s": self.pause_bound_s}
 
 
 class Trial:
@@ -427,8 +430,14 @@ class Trial:
             violations.append(f"etcd ports still listening: {sorted(set(self.etcd.ports) & listening)}")
         if checks.own_listening_sockets() > sockets_before:
             violations.append("the chaos runner holds more listening sockets than before the trial")
+        pause = checks.longest_pause(checks.commit_times(events))
+        bound = checks.pause_bound(spec)
+        if pause is not None and pause > bound:
+            gap = checks.longest_pause_at(checks.commit_times(events))
+            violations.append(f"the job paused {pause:.2f} s between two commits (steps {gap[0]} -> {gap[1]}), "
+                              f"above its bound of {bound:g} s")
         return TrialResult(spec, checks.condense(violations), injected, duration, rc, self.notes, str(self.folder),
-                           checks.coverage(events), checks.longest_pause(checks.commit_times(events)))
+                           checks.coverage(events), pause, bound)
 
     def _read_chain(self) -> Optional[dict[int, list[str]]]:
         """epoch -> member ids of every configuration, from the membership store (the coordinator
