@@ -343,6 +343,13 @@ class ProcessGroupAborted(CollectiveError):
     timeout, by a peer failure or by ``reconfigure``)."""
 
 
+class ParentReconfiguredError(ProcessGroupAborted):
+    """The group is a sub-group (``new_group``, ``new_subgroups``, a DeviceMesh dimension)
+    of an ftc10d group that was reconfigured since: its ranks were those of the parent's
+    old configuration, so it was aborted. Create it again, on every member of the
+    parent's new configuration (e.g. call ``init_device_mesh`` again)."""
+
+
 class CollectiveTimeoutError(CollectiveError, TimeoutError):
     """The op did not complete within its timeout; its configuration was aborted."""
 

@@ -250,3 +250,26 @@ def test_the_pause_bound_is_two_detections_and_an_allowance_plus_a_store_outage(
     assert checks.pause_bound(store) == round(2 * hb + checks.PAUSE_ALLOWANCE_S + 1.2 + hb, 3)
     # The 30-s join stall of issue 14 and a 5-s store connect stall are both over it.
     assert checks.pause_bound(plain) < 5.0 and checks.pause_bound(store) < 30.0
+
+
+def test_a_rollback_forced_by_the_death_of_every_holder_is_one_lineage_and_a_live_holder_is_not() -> None:
+    """Chaos run of 2026-12-05, trial 75 (die_after_vote + die_send): in epoch 2 only pid 1
+    committed step 4 (pid 2 failed the step), pid 1 died sending that state, and epoch 5
+    went on from step 3 and committed step 4 again. Nobody alive held step 4: not a split."""
+    events = [ev(pid, "reconfigured", 0.0, epoch=2, uuid=22, member=f"m{pid}") for pid in (1, 2)]
+    events += [ev(pid, "commit", s, step=s, fp=f"f{s}", member=f"m{pid}", uuid=22) for pid in (1, 2) for s in (1, 2, 3)]
+    events.append(ev(1, "commit", 4.0, step=4, fp="f4", member="m1", uuid=22))
+    events.append(ev(1, "suicide", 4.5, op="send", step=4))
+    events += [ev(pid, "reconfigured", 5.0, epoch=5, uuid=55, member=f"m{pid}") for pid in (2, 3)]
+    events.append(ev(3, "recovered", 5.0, step=3, epoch=2, source=0))
+    events += [ev(pid, "commit", 5.0 + s, step=s, fp=f"g{s}", member=f"m{pid}", uuid=55) for pid in (2, 3)
+               for s in (4, 5)]
+    assert checks.check_lineage(events) == []
+    # The same commits with pid 1 alive (it only stopped): it still holds step 4, a second lineage.
+    alive = [e for e in events if e["kind"] != "suicide"]
+    assert any("two lineages" in p for p in checks.check_lineage(alive))
+    # ...and pid 1 SIGKILLed by the schedule instead (no suicide event): one lineage again.
+    assert checks.check_lineage(alive, deaths={1: 4.5}) == []
+    # A replacement that had received step 4 alive before epoch 5 resumed from step 3: two lineages.
+    got4 = alive + [ev(4, "recovered", 4.8, step=4, epoch=2, source=0)]
+    assert any("two lineages" in p for p in checks.check_lineage(got4, deaths={1: 4.5}))

@@ -22,15 +22,12 @@ def _hooks(rank: int, world: int, port: int) -> dict:
                                                      len(a.output_tensors), a.root)))
     pg.register_pre_hook(2, lambda a: events.append(("pre2", a.name, a.op_id)))
 
-    def boom(a: object) -> None:
-        raise RuntimeError("hook bug")
-
-    pg.register_pre_hook(3, boom)  # a raising hook never breaks the op
     pg.register_post_hook(1, lambda a: events.append(("post1", a.name, a.op_id, isinstance(a.work, dist.Work))))
-    with pytest.raises(ftc10d.InvalidOptionError, match="already registered"):
-        pg.register_pre_hook(1, lambda a: None)
+    pg.register_pre_hook(4, lambda a: events.append(("first4",)))
+    pg.register_pre_hook(4, lambda a: events.append(("pre4", a.name)))  # same id: replaces it, in its place
     with pytest.raises(ftc10d.InvalidOptionError, match="callable"):
         pg.register_post_hook(9, "not callable")  # type: ignore[arg-type]
+    pg.unregister_post_hook(77)  # an unknown id: nothing happens (torch's semantics)
 
     t = torch.ones(2)
     dist.all_reduce(t, group=pg)
@@ -41,10 +38,28 @@ def _hooks(rank: int, world: int, port: int) -> dict:
     else:
         dist.recv(torch.zeros(1), 0, group=pg)
     pg.unregister_pre_hook(2)
-    pg.unregister_pre_hook(3)
+    pg.unregister_pre_hook(4)
     dist.all_reduce(t, group=pg)
-    with pytest.raises(ftc10d.InvalidOptionError, match="no pre hook"):
-        pg.unregister_pre_hook(2)
+    pg.unregister_pre_hook(2)  # twice: a no-op
+
+    def boom(a: object) -> None:
+        raise ValueError("hook bug")
+
+    # A pre-hook that raises: the caller gets its error and the op is not issued.
+    pg.register_pre_hook(5, boom)
+    seq = pg.generation.collective_seq
+    with pytest.raises(ValueError, match="hook bug"):
+        dist.all_reduce(torch.full((2,), 100.0), group=pg)
+    issued = pg.generation.collective_seq - seq
+    pg.unregister_pre_hook(5)
+    # A post-hook that raises: the caller gets its error after the op was issued; it runs on.
+    pg.register_post_hook(6, boom)
+    u = torch.ones(2)
+    with pytest.raises(ValueError, match="hook bug"):
+        dist.all_reduce(u, group=pg)
+    pg.unregister_post_hook(6)
+    dist.all_reduce(t, group=pg)  # pairs with the other rank's: the raising pre-hook's op was never sent
+    dist.barrier(group=pg)  # u's reduction (issued) is done by now on both ranks
 
     aborts: list[bool] = []
     pg.register_abort_hook(1, lambda: aborts.append(pg.generation.aborted))
@@ -53,24 +68,31 @@ def _hooks(rank: int, world: int, port: int) -> dict:
     pg.abort()  # once per configuration
     ftc10d.reconfigure(1, handles, group=pg)  # the aborted one is not aborted again
     ftc10d.reconfigure(2, handles, group=pg)  # reconfiguring aborts the live one: fires again
-    return {"events": [(e[0], str(e[1]).split(".")[-1], *e[2:]) for e in events], "aborts": aborts, "sum": t.tolist()}
+    return {"events": [(e[0], str(e[1]).split(".")[-1], *e[2:]) if len(e) > 1 else e for e in events],
+            "aborts": aborts, "sum": t.tolist(), "posted": u.tolist(), "issued": issued}
 
 
-def test_hooks_fire_in_order_share_op_id_and_survive_a_raising_hook(caplog: pytest.LogCaptureFixture) -> None:
+def test_hooks_fire_in_order_share_op_id_and_raise_as_torch_does() -> None:
     res = harness.run(_hooks, 2)
     for rank, out in res.items():
         ev = out["events"]
         names = [e[1] for e in ev if e[0] == "pre1"]
         p2p = "SEND" if rank == 0 else "RECV"
-        assert names == ["ALLREDUCE", "BROADCAST", "BARRIER", p2p, "ALLREDUCE"]
-        # registration order, and every pre has a post with the same op_id
-        first = ev[:3]
-        assert [e[0] for e in first] == ["pre1", "pre2", "post1"]
+        # ..., then the op whose pre-hook raised, the one whose post-hook raised, and two more
+        assert names == ["ALLREDUCE", "BROADCAST", "BARRIER", p2p, "ALLREDUCE", "ALLREDUCE", "ALLREDUCE",
+                         "ALLREDUCE", "BARRIER"]
+        # registration order, and every issued op's pre has a post with the same op_id
+        first = ev[:4]
+        assert [e[0] for e in first] == ["pre1", "pre2", "pre4", "post1"]
+        assert ("first4",) not in ev
         pre_ids = [e[2] for e in ev if e[0] == "pre1"]
         post_ids = [e[2] for e in ev if e[0] == "post1"]
-        assert pre_ids == post_ids == sorted(set(pre_ids))
+        assert pre_ids == sorted(set(pre_ids))
+        assert post_ids == pre_ids[:5] + pre_ids[6:]  # no post for the op a pre-hook stopped
         assert all(e[3] for e in ev if e[0] == "post1")  # post hooks see the Work
         assert ("pre1", "BROADCAST", pre_ids[1], True, 1, 1, 1) in ev  # async_op and root
-        assert not any(e[0] == "pre2" and e[2] == pre_ids[-1] for e in ev)  # unregistered
+        assert not any(e[0] == "pre2" and e[2] == pre_ids[4] for e in ev)  # unregistered
         assert out["aborts"] == [False, False]  # once per configuration, before it took effect
-        assert out["sum"] == [4.0, 4.0]
+        assert out["issued"] == 0  # the raising pre-hook's op was not issued
+        assert out["sum"] == [8.0, 8.0]
+        assert out["posted"] == [2.0, 2.0]  # the raising post-hook's op was issued and completed

@@ -229,26 +229,41 @@ def uuid_epochs(events: list[dict[str, Any]]) -> dict[int, int]:
     return {int(e["uuid"]): int(e["epoch"]) for e in events if e["kind"] == "reconfigured" and e.get("uuid")}
 
 
-def check_lineage(events: list[dict[str, Any]]) -> list[str]:
+def check_lineage(events: list[dict[str, Any]], deaths: Optional[dict[int, float]] = None) -> list[str]:
     """One lineage of committed steps (invariant 1 across configurations): the steps committed
-    in a configuration never go below a step already committed in an earlier configuration.
-    Two groups that each train on (a split brain) commit the same steps in different
-    configurations, and if they compute alike, every fingerprint still agrees: this is what
-    catches them. The configuration of a commit is its ``uuid`` (not the member's newest
-    epoch, which the watcher may have adopted before the group switched)."""
+    in a configuration never go below a step already committed in an earlier configuration
+    and still held by a live process. Two groups that each train on (a split brain) commit
+    the same steps in different configurations, and if they compute alike, every fingerprint
+    still agrees: this is what catches them. The configuration of a commit is its ``uuid``
+    (not the member's newest epoch, which the watcher may have adopted before the group
+    switched).
+
+    A step whose every holder died (it committed there and nowhere else, e.g. the others
+    failed the step, and then it died sending that state) is gone with them: the job
+    rightly goes on from the newest state left, and commits those steps again. Holders are
+    the processes that committed a step or received a state, and one is dead from its
+    ``suicide`` event or ``deaths`` (pid -> time of a SIGKILL the schedule sent)."""
     epoch_of = uuid_epochs(events)
-    by_epoch: dict[int, list[int]] = defaultdict(list)
+    dead = {int(e["pid"]): float(e["t"]) for e in events if e["kind"] == "suicide"}
+    dead.update(deaths or {})
+    commits: list[tuple[int, int, int, float]] = []  # (epoch, step, pid, t)
     for e in events:
         if e["kind"] == "commit" and e.get("uuid") is not None and int(e["uuid"]) in epoch_of:
-            by_epoch[epoch_of[int(e["uuid"])]].append(int(e["step"]))
-    problems, top, top_epoch = [], 0, 0
-    for ep in sorted(by_epoch):
-        low = min(by_epoch[ep])
-        if low <= top:
-            problems.append(f"two lineages: epoch {ep} committed steps {low}-{max(by_epoch[ep])} after epoch "
-                            f"{top_epoch} had committed up to step {top} (a group trained on apart from the others)")
-        if max(by_epoch[ep]) > top:
-            top, top_epoch = max(by_epoch[ep]), ep
+            commits.append((epoch_of[int(e["uuid"])], int(e["step"]), int(e["pid"]), float(e["t"])))
+    received = [(int(e["step"]), int(e["pid"]), float(e["t"])) for e in events
+                if e["kind"] == "recovered" and e.get("step") is not None]
+    problems: list[str] = []
+    for ep in sorted({c[0] for c in commits}):
+        mine = [c for c in commits if c[0] == ep]
+        low, high = min(c[1] for c in mine), max(c[1] for c in mine)
+        t0 = min(c[3] for c in mine)
+        alive = lambda pid: dead.get(pid, float("inf")) > t0  # noqa: E731
+        held = [(c[1], c[0]) for c in commits if c[0] < ep and alive(c[2])]
+        held += [(step, ep) for step, pid, t in received if t < t0 and alive(pid) and step >= low]
+        top = max(held, default=None)
+        if top is not None and low <= top[0]:
+            problems.append(f"two lineages: epoch {ep} committed steps {low}-{high} after epoch {top[1]} had "
+                            f"committed up to step {top[0]} (a group trained on apart from the others)")
     return problems
 
 

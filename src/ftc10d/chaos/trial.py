@@ -404,7 +404,7 @@ class Trial:
         violations += checks.check_commits(events, spec.steps)
         violations += checks.check_fencing(events, chain,
                                            store_restarted=any(i.fault.kind == "store" and i.t_fault for i in injected))
-        violations += checks.check_lineage(events)
+        violations += checks.check_lineage(events, _sigkilled(injected))
         violations += checks.check_guards(events)
         for inj in pending:
             if inj.skipped is None:
@@ -509,3 +509,16 @@ if __name__ == "__main__":  # pragma: no cover - a quick manual run: python -m f
 
     result = run_trial(draw(int(sys.argv[1])), Path(sys.argv[2] if len(sys.argv) > 2 else "chaos-trial"), print)
     print(json.dumps(result.to_json(), indent=1))
+
+
+def _sigkilled(injected: list[Injected]) -> dict[int, float]:
+    """pid -> when the schedule SIGKILLed it (for the lineage check: what died with it)."""
+    out: dict[int, float] = {}
+    for inj in injected:
+        if not inj.t_fault or not inj.pids:
+            continue
+        if inj.fault.kind in ("kill", "die_send", "double") and inj.pids[0] is not None:
+            out[int(inj.pids[0])] = float(inj.t_fault)
+        if inj.fault.kind == "double" and inj.fault.kind2 == "kill" and len(inj.pids) > 1 and inj.pids[1]:
+            out[int(inj.pids[1])] = float(inj.t_end or inj.t_fault)
+    return out

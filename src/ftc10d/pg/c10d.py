@@ -71,6 +71,11 @@ def register(pg: ProcessGroup) -> None:
     c10d._world.pg_names[pg] = name
     c10d._world.pg_backend_config[pg] = BACKEND_NAME
     c10d._world.pg_group_ranks[pg] = {}
+    # The tags torch's new_group gives a group, which destroy_process_group expects.
+    tag = f"ptd:{name}"
+    c10d._world.pg_to_tag[pg] = tag
+    c10d._world.tags_to_pg.setdefault(tag, []).append(pg)
+    c10d._world.tags_to_pg.setdefault("", []).append(pg)
     _register_process_group(name, pg)
 
 

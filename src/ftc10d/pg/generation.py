@@ -102,6 +102,9 @@ class Generation:
         self.abort_reason = ""
         self.error_type: Any = ErrorType.SUCCESS
         self.failed_peer: Optional[int] = None
+        #: What an op of this generation raises once it was aborted, and what to do then.
+        self.aborted_error_type: type[ProcessGroupAborted] = ProcessGroupAborted
+        self.aborted_hint = "Reconfigure the group with a fresh uuid to continue."
         self._fire_abort_hooks = fire_abort_hooks
         #: Told of the first failure of this generation (set by the owning group).
         self.on_error: Optional[Callable[[CollectiveError], None]] = None
@@ -150,9 +153,9 @@ class Generation:
             self._abort_done.wait()
 
     def aborted_error(self, op: str, seq: int) -> ProcessGroupAborted:
-        return ProcessGroupAborted(
+        return self.aborted_error_type(
             f"{op} #{seq} of {self.label} (rank {self.rank} of {self.size}) was aborted: {self.abort_reason}. "
-            "Reconfigure the group with a fresh uuid to continue.",
+            + self.aborted_hint,
             op=op,
             seq=seq,
             uuid=self.uuid,

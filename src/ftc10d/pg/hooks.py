@@ -1,8 +1,10 @@
 """Hook registries with torch 2.14's semantics.
 
-Hooks fire in registration order. A hook that raises is logged under the
-``ftc10d`` logger and never breaks the op or the hooks after it: observability
-must not become a new way to fail.
+Hooks fire in registration order. Registering an id again replaces its hook (in its
+place); unregistering an unknown id does nothing. A pre-hook that raises raises to the
+caller of the op, and the op is not issued (nothing is sent); a post-hook that raises
+raises to the caller after the op was issued (it runs on). An abort hook that raises
+is logged under the ``ftc10d`` logger and the abort goes on: an abort must complete.
 """
 
 from __future__ import annotations
@@ -32,21 +34,21 @@ class HookRegistry:
         if not callable(fn):
             raise InvalidOptionError(f"{self._kind} hook must be callable, got {type(fn).__name__}")
         with self._lock:
-            if hook_id in self._hooks:
-                raise InvalidOptionError(
-                    f"{self._kind} hook id {hook_id} is already registered; unregister it first or pick another id"
-                )
-            self._hooks[hook_id] = fn
+            self._hooks[hook_id] = fn  # an id registered again keeps its place, as in torch
             self.fns = tuple(self._hooks.items())
 
     def unregister(self, hook_id: int) -> None:
         with self._lock:
-            if hook_id not in self._hooks:
-                raise InvalidOptionError(f"no {self._kind} hook registered with id {hook_id}")
-            del self._hooks[hook_id]
-            self.fns = tuple(self._hooks.items())
+            if self._hooks.pop(hook_id, None) is not None:
+                self.fns = tuple(self._hooks.items())
 
     def fire(self, *args: Any) -> None:
+        """Call every hook in order; the first that raises stops them and raises."""
+        for _, fn in self.fns:
+            fn(*args)
+
+    def fire_all(self, *args: Any) -> None:
+        """Call every hook in order; one that raises is logged and the others still run."""
         for hook_id, fn in self.fns:
             try:
                 fn(*args)

@@ -112,6 +112,7 @@ class ProcessGroup(dist.ProcessGroup):
         enable_reconfigure: bool = False,
         flight_recorder: Optional[bool] = None,
         check_collectives: Optional[bool] = None,
+        _torch_files_it: bool = False,
     ) -> None:
         if backend not in BACKENDS:
             raise InvalidOptionError(f"backend {backend!r} is not supported; choose one of {list(BACKENDS)}")
@@ -154,7 +155,8 @@ class ProcessGroup(dist.ProcessGroup):
         self._observer: Optional[OpObserver] = None
         from ftc10d.pg import c10d  # late: c10d imports this module
 
-        c10d.register(self)
+        if not _torch_files_it:  # else torch's new_group files it (ftc10d.pg.subgroups)
+            c10d.register(self)
         if not enable_reconfigure:
             c10d.note_rank(rank)
             self._gen = bootstrap(
@@ -266,6 +268,9 @@ class ProcessGroup(dist.ProcessGroup):
             old = self._gen
             if old is not None:
                 old.abort(ErrorType.COMM_ERROR, f"reconfigured to generation {plan.uuid}")
+                from ftc10d.pg import subgroups  # late: it imports this module
+
+                subgroups.orphan_children(self, plan.uuid)
             # given up before it began (abandon_reconfigure): the waits below end at once
             self._side.open_async()  # normally open already (since __init__)
             self._pending = PendingRendezvous(self._store, plan, given_up=self._given_up.pop(plan.uuid, None),
@@ -301,6 +306,18 @@ class ProcessGroup(dist.ProcessGroup):
         gen = self._gen
         if gen is not None:
             gen.abort(ErrorType.COMM_ERROR, "aborted by the user (ProcessGroup.abort())")
+
+    def split_group(self, new_ranks: Sequence[int], timeout: Optional[timedelta] = None, opts: Any = None,
+                    group_name: Optional[str] = None, group_desc: Optional[str] = None,
+                    device_types: Any = None) -> Optional["ProcessGroup"]:
+        """torch's ``ProcessGroup.split_group``: every member calls it with the same
+        ``new_ranks`` (ranks of this group, in the new group's order); members get a new
+        ftc10d group, the others None. It follows this group's configuration as a
+        ``new_group`` does (see ``ftc10d.pg.subgroups``). ``opts``, ``group_name`` and
+        ``device_types`` are accepted for torch's signature and not used."""
+        from ftc10d.pg import subgroups  # late: it imports this module
+
+        return subgroups.split(self, new_ranks, timeout, group_desc)
 
     def abandon_reconfigure(self, uuid: int, why: str = "") -> None:
         """Give up the rendezvous of configuration ``uuid``, whether it is pending now on
@@ -380,7 +397,7 @@ class ProcessGroup(dist.ProcessGroup):
         self._post_hooks.unregister(hook_id)
 
     def _fire_abort_hooks(self) -> None:
-        self._abort_hooks.fire()
+        self._abort_hooks.fire_all()
 
     def add_reconfigure_listener(self, fn: Callable[["ProcessGroup"], None]) -> None:
         """Call ``fn(pg)`` after every successful reconfigure."""
