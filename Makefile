@@ -9,21 +9,30 @@
 PYTHON          ?= python3
 TORCH_VERSION   ?= 2.13.0
 TORCH214_VERSION ?= 2.14.1
+TORCH211_VERSION ?= 2.11.0
+TORCH215_VERSION ?= 2.15.0
 VENV            ?= .venv
 VENV214         ?= .venv214
+VENV211         ?= .venv211
+VENV215         ?= .venv215
 PIP_FLAGS       ?= --quiet
 PYTEST_ARGS     ?=
+TESTS           ?= tests
 
 STAMP    := $(VENV)/.ftc10d-installed
 STAMP214 := $(VENV214)/.ftc10d-installed
+STAMP211 := $(VENV211)/.ftc10d-installed
+STAMP215 := $(VENV215)/.ftc10d-installed
 
 .DEFAULT_GOAL := help
-.PHONY: help etcd venv venv214 test test-torch214 demo bench clean distclean
+.PHONY: help etcd venv venv214 venv211 venv215 test test-torch214 test-torch211 test-torch215 demo bench clean distclean
 
 help:  ## list the targets
 	@echo "make demo            train on 4 workers while one is killed and one frozen; watch it recover in place"
 	@echo "make test            run the test suite (torch $(TORCH_VERSION) CPU, in $(VENV))"
 	@echo "make test-torch214   run the test suite on torch $(TORCH214_VERSION) (in $(VENV214))"
+	@echo "make test-torch211   ... on torch $(TORCH211_VERSION) (in $(VENV211); a CUDA build from the registry, GBs)"
+	@echo "make test-torch215   ... on torch $(TORCH215_VERSION) (in $(VENV215); a CUDA build from the registry, GBs)"
 	@echo "make bench           run the scripts in benchmarks/"
 	@echo "make venv            only build $(VENV)"
 	@echo "make clean           remove build outputs and caches (keeps the virtualenvs)"
@@ -31,6 +40,8 @@ help:  ## list the targets
 
 venv: $(STAMP)
 venv214: $(STAMP214)
+venv211: $(STAMP211)
+venv215: $(STAMP215)
 
 # One rule per virtualenv: create, pin torch first (so resolving '.[test]' can
 # never swap it for another build), then install ftc10d editable with test extras.
@@ -46,6 +57,23 @@ $(STAMP214): pyproject.toml
 	$(VENV214)/bin/python -m pip install $(PIP_FLAGS) -e '.[test]'
 	@touch $@
 
+# torch 2.11 and 2.15 come from the registry; this machine image caps pip at 2.14.1 with a
+# constraints file, which these installs replace by one that pins their own torch (so that
+# resolving '.[test]' can never swap it either).
+$(STAMP211): pyproject.toml
+	$(PYTHON) -m venv $(VENV211)
+	echo "torch==$(TORCH211_VERSION)" > $(VENV211)/torch-pin.txt
+	PIP_CONSTRAINT=$(VENV211)/torch-pin.txt $(VENV211)/bin/python -m pip install $(PIP_FLAGS) "torch==$(TORCH211_VERSION)"
+	PIP_CONSTRAINT=$(VENV211)/torch-pin.txt $(VENV211)/bin/python -m pip install $(PIP_FLAGS) -e '.[test]'
+	@touch $@
+
+$(STAMP215): pyproject.toml
+	$(PYTHON) -m venv $(VENV215)
+	echo "torch==$(TORCH215_VERSION)" > $(VENV215)/torch-pin.txt
+	PIP_CONSTRAINT=$(VENV215)/torch-pin.txt $(VENV215)/bin/python -m pip install $(PIP_FLAGS) "torch==$(TORCH215_VERSION)"
+	PIP_CONSTRAINT=$(VENV215)/torch-pin.txt $(VENV215)/bin/python -m pip install $(PIP_FLAGS) -e '.[test]'
+	@touch $@
+
 # etcd (the HA membership backend's server) comes from Debian; installed only when
 # missing and only as root. Without it the etcd tests skip, saying why.
 etcd:
@@ -56,10 +84,16 @@ etcd:
 	@command -v systemctl >/dev/null 2>&1 && systemctl disable --now etcd >/dev/null 2>&1 || true
 
 test: $(STAMP) etcd
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) $(TESTS)
 
 test-torch214: $(STAMP214) etcd
-	$(VENV214)/bin/python -m pytest -q $(PYTEST_ARGS) tests
+	$(VENV214)/bin/python -m pytest -q $(PYTEST_ARGS) $(TESTS)
+
+test-torch211: $(STAMP211) etcd
+	$(VENV211)/bin/python -m pytest -q $(PYTEST_ARGS) $(TESTS)
+
+test-torch215: $(STAMP215) etcd
+	$(VENV215)/bin/python -m pytest -q $(PYTEST_ARGS) $(TESTS)
 
 demo: $(STAMP)
 	$(VENV)/bin/ftc10d demo
@@ -76,7 +110,8 @@ bench: $(STAMP)
 
 clean:
 	rm -rf build dist src/*.egg-info .pytest_cache demo-out bench-out
-	find . -path ./$(VENV) -prune -o -path ./$(VENV214) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+	find . -path ./$(VENV) -prune -o -path ./$(VENV214) -prune -o -path ./$(VENV211) -prune -o -path ./$(VENV215) \
+	  -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(VENV214)
+	rm -rf $(VENV) $(VENV214) $(VENV211) $(VENV215)

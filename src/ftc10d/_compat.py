@@ -27,3 +27,33 @@ TorchSignalOptions = getattr(_c10d, "SignalOptions", None)
 TorchWaitSignalOptions = getattr(_c10d, "WaitSignalOptions", None)
 
 HAS_NATIVE_RECONFIGURE: bool = TorchReconfigureOptions is not None
+
+
+def work_exception(work: object) -> "BaseException | None":
+    """``work.exception()`` of a backend work, on every torch we support.
+
+    torch 2.11's binding of ``Work.exception()`` cannot convert its return value
+    (``std::exception_ptr``) and raises ``TypeError`` whatever the work did. There the
+    error comes from the work's future (which holds the backend's exception), or, for a
+    work without one (Gloo's send/recv), from ``is_success()``."""
+    try:
+        return work.exception()  # type: ignore[attr-defined]
+    except TypeError:
+        pass
+    if not work.is_completed():  # type: ignore[attr-defined]
+        return None
+    try:
+        fut = work.get_future()  # type: ignore[attr-defined]
+    except Exception:
+        fut = None
+    if fut is not None and fut.done():
+        try:
+            fut.value()
+            return None
+        except Exception as exc:  # noqa: BLE001 - the work's own error, returned
+            return exc
+    try:
+        ok = bool(work.is_success())  # type: ignore[attr-defined]
+    except Exception:
+        ok = True
+    return None if ok else RuntimeError("the backend op failed (this torch's Work.exception() cannot say why)")

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import ftc10d
+from ftc10d._compat import TORCH_VERSION
 from tests import harness
 
 T = timedelta(seconds=30)
@@ -78,8 +79,11 @@ def _everything(rank: int, world: int, port: int) -> dict:
     out["reduce_scatter_tensor"] = rs.tolist()
 
     a2a = [torch.zeros(1) for _ in range(n)]
-    dist.all_to_all(a2a, [torch.full((1,), 10 * r + i) for i in range(n)], group=pg)
-    out["all_to_all"] = [x.item() for x in a2a]
+    try:
+        dist.all_to_all(a2a, [torch.full((1,), 10 * r + i) for i in range(n)], group=pg)
+        out["all_to_all"] = [x.item() for x in a2a]
+    except ftc10d.InvalidOptionError as exc:  # torch 2.11's Gloo has no list all_to_all: a typed error
+        out["all_to_all"] = "unsupported" if "does not support alltoall" in str(exc) else str(exc)
 
     a2s = torch.zeros(n)
     dist.all_to_all_single(a2s, torch.arange(float(n)) + 10 * r, group=pg)
@@ -127,7 +131,10 @@ def test_every_collective_matches_gloo_semantics() -> None:
         assert out["reduce_scatter"] == [sum(i + r for i in range(n))] * 2  # sum_i (i + rank)
         expected_rs = [sum(2 * rank + j + i for i in range(n)) for j in range(2)]
         assert out["reduce_scatter_tensor"] == [float(x) for x in expected_rs]
-        assert out["all_to_all"] == [10.0 * i + r for i in range(n)]
+        if TORCH_VERSION < (2, 12) and out["all_to_all"] == "unsupported":
+            pass  # as on torch's own Gloo group there
+        else:
+            assert out["all_to_all"] == [10.0 * i + r for i in range(n)]
         assert out["all_to_all_single"] == [10.0 * i + r for i in range(n)]
         assert out["ring"] == float((rank - 1) % n)
         assert out["future"] == [[3.0, 3.0]]

@@ -185,3 +185,24 @@ def test_fsdp2_hsdp_over_an_ftc10d_mesh_trains_bitwise_like_gloo() -> None:
         for k, v in ours[r]["state"].items():
             assert v == gloo[r]["state"][k], (r, k)  # float32 values as Python floats: exact
             assert v == ours[0]["state"][k], (r, k)  # every rank holds the same model
+
+
+def _torch_init(rank: int, world: int, port: int) -> dict:
+    store = harness.client_store(port)
+    dist.init_process_group("ftc10d", store=store, rank=rank, world_size=world, timeout=T)
+    pg = dist.group.WORLD
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    gloo_sub = dist.new_group([0, 1], backend="gloo")  # a Gloo group beside it still works
+    u = torch.tensor([1.0])
+    dist.all_reduce(u, group=gloo_sub)
+    out = {"ours": isinstance(pg, ftc10d.ProcessGroup), "backend": dist.get_backend(), "sum": t.item(),
+           "gloo_sum": u.item(), "gloo_is_ours": isinstance(gloo_sub, ftc10d.ProcessGroup)}
+    dist.destroy_process_group()
+    return out
+
+
+def test_torchs_init_process_group_with_backend_ftc10d_makes_an_ftc10d_default_group() -> None:
+    res = harness.run(_torch_init, 2)
+    for r in range(2):
+        assert res[r] == {"ours": True, "backend": "ftc10d", "sum": 3.0, "gloo_sum": 2.0, "gloo_is_ours": False}

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from ftc10d._compat import work_exception
 from ftc10d.pg.gloo import GlooCommunicator
 from ftc10d.pg.handles import Plan
 from ftc10d.pg.observer import OpRecord
@@ -333,7 +334,7 @@ class Generation:
                 finished = inner.is_completed()
             if finished:
                 if entry is not None and not entry.settled:
-                    if inner.exception() is None:
+                    if work_exception(inner) is None:
                         entry.complete()
                     else:  # failing is what we expect of them
                         entry.fail("aborted")
@@ -352,7 +353,7 @@ class Generation:
 def _settle(inner: Any, entry: Optional[OpRecord]) -> None:
     if entry is None or entry.settled:  # usually wait() got there first: nothing to ask the backend
         return
-    exc = inner.exception()
+    exc = work_exception(inner)
     if exc is None:
         entry.complete()
     else:

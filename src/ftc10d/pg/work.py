@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
+from ftc10d._compat import work_exception
 from ftc10d.pg.observer import error_kind
 from ftc10d.types import CollectiveError
 
@@ -254,7 +255,7 @@ class Work(dist.Work):
     def exception(self) -> Optional[BaseException]:
         if self._error is not None:
             return self._error
-        return self._inner.exception()
+        return work_exception(self._inner)
 
     def result(self) -> Any:
         return self._result
