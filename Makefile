@@ -60,28 +60,17 @@ $(STAMP214): pyproject.toml
 # torch 2.11 and 2.15 come from the registry; this machine image caps pip at 2.14.1 with a
 # constraints file, which these installs replace by one that pins their own torch (so that
 # resolving '.[test]' can never swap it either).
-$(STAMP211): pyproject.toml
-	$(PYTHON) -m venv $(VENV211)
-	echo "torch==$(TORCH211_VERSION)" > $(VENV211)/torch-pin.txt
-	PIP_CONSTRAINT=$(VENV211)/torch-pin.txt $(VENV211)/bin/python -m pip install $(PIP_FLAGS) "torch==$(TORCH211_VERSION)"
-	PIP_CONSTRAINT=$(VENV211)/torch-pin.txt $(VENV211)/bin/python -m pip install $(PIP_FLAGS) -e '.[test]'
-	@touch $@
-
-$(STAMP215): pyproject.toml
-	$(PYTHON) -m venv $(VENV215)
-	echo "torch==$(TORCH215_VERSION)" > $(VENV215)/torch-pin.txt
-	PIP_CONSTRAINT=$(VENV215)/torch-pin.txt $(VENV215)/bin/python -m pip install $(PIP_FLAGS) "torch==$(TORCH215_VERSION)"
-	PIP_CONSTRAINT=$(VENV215)/torch-pin.txt $(VENV215)/bin/python -m pip install $(PIP_FLAGS) -e '.[test]'
-	@touch $@
-
-# etcd (the HA membership backend's server) comes from Debian; installed only when
-# missing and only as root. Without it the etcd tests skip, saying why.
-etcd:
-	@command -v etcd >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null) || \
-	  echo "make: etcd not installed (needs root and apt-get); etcd tests will skip"; }
-	@# Debian's package starts a system etcd on 2379; the tests start their own on other ports.
-	@command -v systemctl >/dev/null 2>&1 && systemctl disable --now etcd >/dev/null 2>&1 || true
+# $(1): the virtualenv, $(2): its torch version.
+define pinned_venv
+$(1)/.ftc10d-installed: pyproject.toml
+	$(PYTHON) -m venv $(1)
+	echo "torch==$(2)" > $(1)/torch-pin.txt
+	PIP_CONSTRAINT=$(1)/torch-pin.txt $(1)/bin/python -m pip install $(PIP_FLAGS) "torch==$(2)"
+	PIP_CONSTRAINT=$(1)/torch-pin.txt $(1)/bin/python -m pip install $(PIP_FLAGS) -e '.[test]'
+	@touch $$@
+endef
+$(eval $(call pinned_venv,$(VENV211),$(TORCH211_VERSION)))
+$(eval $(call pinned_venv,$(VENV215),$(TORCH215_VERSION)))
 
 test: $(STAMP) etcd
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) $(TESTS)
