@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import ftc10d
+from ftc10d._compat import TORCH_VERSION
 from tests import harness
 
 
@@ -55,14 +56,16 @@ def test_torch_fr_trace_and_ftc10d_trace_read_our_dumps(tmp_path: os.PathLike, m
     d = str(tmp_path)
     paths = harness.run(_scenario, 3, d, mode)
     assert sorted(os.path.basename(p) for p in paths.values()) == ["rank_0", "rank_1", "rank_2"]
-    out = _fr_trace(d)
+    # torch 2.11's fr_trace reads only NCCL/XCCL dumps ("name formatting error? gloo != 'nccl'"),
+    # whoever wrote them; from 2.13 on it reads Gloo groups' dumps too, and ours.
+    out = _fr_trace(d) if TORCH_VERSION >= (2, 13) else None
     ours = _ftc10d_trace(d)
     assert ours.returncode == 1, ours.stdout + ours.stderr
     if mode == "skip":
-        assert "missing ranks: {2}" in out, out
+        assert out is None or "missing ranks: {2}" in out, out
         assert "rank 2 never entered all_reduce #4 of the initial configuration; ranks 0,1 waited" in ours.stdout
     else:
-        assert "SIZE_OR_SYNTAX_MISMATCH" in out and "Culprit rank 1" in out, out
+        assert out is None or ("SIZE_OR_SYNTAX_MISMATCH" in out and "Culprit rank 1" in out), out
         assert "input_sizes differ at collective #4" in ours.stdout and "rank 1: [[5]]" in ours.stdout
 
 
