@@ -10,10 +10,12 @@ PYTHON          ?= python3
 TORCH_VERSION   ?= 2.13.0
 TORCH214_VERSION ?= 2.14.1
 TORCH211_VERSION ?= 2.11.0
+TORCH212_VERSION ?= 2.12.0
 TORCH215_VERSION ?= 2.15.0
 VENV            ?= .venv
 VENV214         ?= .venv214
 VENV211         ?= .venv211
+VENV212         ?= .venv212
 VENV215         ?= .venv215
 PIP_FLAGS       ?= --quiet
 PYTEST_ARGS     ?=
@@ -22,16 +24,18 @@ TESTS           ?= tests
 STAMP    := $(VENV)/.ftc10d-installed
 STAMP214 := $(VENV214)/.ftc10d-installed
 STAMP211 := $(VENV211)/.ftc10d-installed
+STAMP212 := $(VENV212)/.ftc10d-installed
 STAMP215 := $(VENV215)/.ftc10d-installed
 
 .DEFAULT_GOAL := help
-.PHONY: help etcd venv venv214 venv211 venv215 test test-torch214 test-torch211 test-torch215 demo bench clean distclean
+.PHONY: help etcd venv venv214 venv211 venv212 venv215 test test-torch214 test-torch211 test-torch212 test-torch215 demo bench clean distclean
 
 help:  ## list the targets
 	@echo "make demo            train on 4 workers while one is killed and one frozen; watch it recover in place"
 	@echo "make test            run the test suite (torch $(TORCH_VERSION) CPU, in $(VENV))"
 	@echo "make test-torch214   run the test suite on torch $(TORCH214_VERSION) (in $(VENV214))"
 	@echo "make test-torch211   ... on torch $(TORCH211_VERSION) (in $(VENV211); a CUDA build from the registry, GBs)"
+	@echo "make test-torch212   ... on torch $(TORCH212_VERSION) (in $(VENV212); a CUDA build from the registry, GBs)"
 	@echo "make test-torch215   ... on torch $(TORCH215_VERSION) (in $(VENV215); a CUDA build from the registry, GBs)"
 	@echo "make bench           run the scripts in benchmarks/"
 	@echo "make venv            only build $(VENV)"
@@ -41,6 +45,7 @@ help:  ## list the targets
 venv: $(STAMP)
 venv214: $(STAMP214)
 venv211: $(STAMP211)
+venv212: $(STAMP212)
 venv215: $(STAMP215)
 
 # One rule per virtualenv: create, pin torch first (so resolving '.[test]' can
@@ -57,7 +62,7 @@ $(STAMP214): pyproject.toml
 	$(VENV214)/bin/python -m pip install $(PIP_FLAGS) -e '.[test]'
 	@touch $@
 
-# torch 2.11 and 2.15 come from the registry; this machine image caps pip at 2.14.1 with a
+# torch 2.11, 2.12 and 2.15 come from the registry; this machine image caps pip at 2.14.1 with a
 # constraints file, which these installs replace by one that pins their own torch (so that
 # resolving '.[test]' can never swap it either).
 # $(1): the virtualenv, $(2): its torch version.
@@ -70,6 +75,7 @@ $(1)/.ftc10d-installed: pyproject.toml
 	@touch $$@
 endef
 $(eval $(call pinned_venv,$(VENV211),$(TORCH211_VERSION)))
+$(eval $(call pinned_venv,$(VENV212),$(TORCH212_VERSION)))
 $(eval $(call pinned_venv,$(VENV215),$(TORCH215_VERSION)))
 
 test: $(STAMP) etcd
@@ -80,6 +86,9 @@ test-torch214: $(STAMP214) etcd
 
 test-torch211: $(STAMP211) etcd
 	$(VENV211)/bin/python -m pytest -q $(PYTEST_ARGS) $(TESTS)
+
+test-torch212: $(STAMP212) etcd
+	$(VENV212)/bin/python -m pytest -q $(PYTEST_ARGS) $(TESTS)
 
 test-torch215: $(STAMP215) etcd
 	$(VENV215)/bin/python -m pytest -q $(PYTEST_ARGS) $(TESTS)
@@ -103,4 +112,4 @@ clean:
 	  -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(VENV214) $(VENV211) $(VENV215)
+	rm -rf $(VENV) $(VENV214) $(VENV211) $(VENV212) $(VENV215)

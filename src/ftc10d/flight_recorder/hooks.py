@@ -18,7 +18,7 @@ import torch
 from time import time_ns
 
 from ftc10d.flight_recorder.recorder import _DTYPE, _SHAPE, Entry, FlightRecorder, _frames, enabled_by_env, get_recorder
-from ftc10d.pg import observer
+from ftc10d.pg import observer, torch_hooks
 from ftc10d.pg.generation import Generation
 from ftc10d.pg.process_group import ProcessGroup
 
@@ -62,6 +62,8 @@ class _Observer:
         self.recorder = recorder
 
     def on_generation(self, pg: ProcessGroup, gen: Generation) -> None:
+        if gen.fr_info is not None:
+            return  # registered already (attach after creation, or attached again)
         name, desc = generation_pg_name(pg, gen), f"ftc10d {gen.label}"
         gen.fr_info = (name, desc)  # computed once per generation, read on every op
         self.recorder.register_generation(name, desc, gen.global_ranks)
@@ -110,7 +112,11 @@ def attach(pg: ProcessGroup, recorder: Optional[FlightRecorder] = None) -> None:
     if pg in _groups:
         return
     rec = recorder or get_recorder()
-    pg._observer = _Observer(rec)
+    obs = _Observer(rec)
+    gen = pg.generation
+    if gen is not None:  # attached to a configured group (idempotent: see on_generation)
+        obs.on_generation(pg, gen)
+    pg._observer = obs
     ref = weakref.ref(pg)
 
     def dump_on_abort() -> None:
@@ -125,6 +131,21 @@ def attach(pg: ProcessGroup, recorder: Optional[FlightRecorder] = None) -> None:
     pg.register_abort_hook(ABORT_HOOK_ID, dump_on_abort)
     _groups.add(pg)
     install_signal_handler()
+
+
+def detach(pg: ProcessGroup) -> None:
+    """Stop recording ``pg``'s ops (idempotent); what was recorded stays in the buffer."""
+    if pg not in _groups:
+        return
+    pg._observer = None
+    pg.unregister_abort_hook(ABORT_HOOK_ID)
+    _groups.discard(pg)
+
+
+def _torch_flight_recorder_hook(pg: ProcessGroup) -> torch_hooks.TorchHookHandle:
+    """torch's ``FlightRecorderHook.attach(pg)`` on an ftc10d group (ftc10d.pg.torch_hooks)."""
+    attach(pg)
+    return torch_hooks.TorchHookHandle("FlightRecorderHook", pg, detach)
 
 
 def _on_group_created(pg: ProcessGroup, flight_recorder: Any) -> None:
@@ -142,3 +163,4 @@ def poll_pending() -> None:
 
 
 observer.GROUP_CREATED.append(_on_group_created)
+torch_hooks.ATTACH["FlightRecorderHook"] = _torch_flight_recorder_hook
