@@ -67,6 +67,10 @@ def _hooks(rank: int, world: int, port: int) -> dict:
     pg.abort()
     pg.abort()  # once per configuration
     ftc10d.reconfigure(1, handles, group=pg)  # the aborted one is not aborted again
+    # Both connected before either moves on: a member that reconfigures again at once cuts the
+    # pairs of the configuration a slower peer may still be connecting (it would get
+    # ReconfigureConnectError: seen once under heavy load).
+    harness.store_barrier(store, "connected", rank, world)
     ftc10d.reconfigure(2, handles, group=pg)  # reconfiguring aborts the live one: fires again
     return {"events": [(e[0], str(e[1]).split(".")[-1], *e[2:]) if len(e) > 1 else e for e in events],
             "aborts": aborts, "sum": t.tolist(), "posted": u.tolist(), "issued": issued}

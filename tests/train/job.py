@@ -114,6 +114,7 @@ def train_loop(pg: Any, member: Any, opts: dict[str, Any], publish: Callable[[st
             if corrupt.get("rank") == rank and manager.step == corrupt["step"]:
                 with torch.no_grad():
                     model.net[0].weight[0, 0] += 1e-3
+                publish("corrupted_by", manager.member.id)  # its id now: a fenced member rejoins under a new one
         else:
             aborted += 1
         time.sleep(opts.get("interval", 0.0))

@@ -137,6 +137,6 @@ def test_a_diverged_replica_stops_the_job_naming_it(coordinator: Coordinator, wh
         job.close()
     text = str(info.value)
     assert all(f"[rank {r}] ReplicaDivergenceError: replicas diverged" in text for r in (0, 1, 2)), text
-    bad = job.store.get("member/1").decode()
+    bad = job.store.get("corrupted_by").decode()
     assert f"(members ['{bad}']) differ from the most common one" in text, text
     assert ("in the commit vote of step 10" if where == "vote" else "after the configuration change") in text, text

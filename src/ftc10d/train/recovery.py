@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,10 @@ from ftc10d.train.state import (
     skeleton_sizes,
     unpack,
 )
+from ftc10d.types import StateLostError
+
+if TYPE_CHECKING:
+    from ftc10d.train.mesh import Placement
 
 logger = logging.getLogger("ftc10d")
 
@@ -66,6 +70,9 @@ class Plan:
     synced: list[bool] = field(default_factory=list)
     epoch: int = 0
     epochs: list[int] = field(default_factory=list)
+    #: Send to each recipient point to point, even to several (plans of disjoint rank sets
+    #: run at once on one group: a broadcast would need every rank of it).
+    p2p_only: bool = False
 
     @property
     def needed(self) -> bool:
@@ -75,28 +82,54 @@ class Plan:
     def diverged(self) -> list[int]:
         """Synchronized ranks whose state was applied with as many steps as the target's
         but in another configuration: a history the job does not continue (they receive)."""
-        return [r for r, (s, f, e) in enumerate(zip(self.steps, self.synced, self.epochs))
-                if f and s == self.step and e != self.epoch]
+        return [r for r in self.recipients
+                if self.synced[r] and self.steps[r] == self.step and self.epochs[r] != self.epoch]
+
+
+class _AllOf:
+    """The sends of one message to several recipients, waited as one."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+
+def exchange_info(pg: Any, step: int, synced: bool, epoch: int = 0, slot: int = -1) -> list[tuple[int, bool, int, int]]:
+    """One all-reduce: every rank's ``(step, synced, commit epoch, slot)`` (slot: its place
+    on an HSDP mesh, :mod:`ftc10d.train.mesh`; -1 without one)."""
+    info = torch.zeros(pg.size(), 4, dtype=torch.int64)
+    info[pg.rank()] = torch.tensor([step, int(synced), epoch, slot], dtype=torch.int64)
+    pg.allreduce([info]).wait()
+    return [(int(a), bool(b), int(c), int(d)) for a, b, c, d in info.tolist()]
+
+
+def plan_among(ranks: Sequence[int], steps: Sequence[int], flags: Sequence[bool], epochs: Sequence[int],
+               *, p2p_only: bool = False) -> Plan:
+    """The plan among ``ranks`` only (group numbering; ``steps``/``flags``/``epochs`` are
+    indexed by rank over the whole group): the greatest identity among their synchronized
+    ranks is the target, the lowest of them holding it the source, and every other one
+    of ``ranks`` that is not synchronized or holds another identity receives. With none
+    synchronized (a fresh job) the lowest of ``ranks`` is the source."""
+    ranks = sorted(ranks)
+    steps, flags, epochs = list(steps), list(flags), list(epochs)
+    if not any(flags[r] for r in ranks):
+        src = ranks[0]
+        return Plan(src, ranks[1:], steps[src], steps, flags, epochs[src], epochs, p2p_only)
+    ids = {r: (epochs[r], steps[r]) for r in ranks}
+    target = max(ids[r] for r in ranks if flags[r])
+    source = min(r for r in ranks if flags[r] and ids[r] == target)
+    recipients = [r for r in ranks if r != source and (not flags[r] or ids[r] != target)]
+    return Plan(source, recipients, target[1], steps, flags, target[0], epochs, p2p_only)
 
 
 def make_plan(pg: Any, step: int, synced: bool, epoch: int = 0) -> Plan:
     """One all-reduce of every rank's (step, synced, commit epoch); the same plan on every rank."""
-    info = torch.zeros(pg.size(), 3, dtype=torch.int64)
-    info[pg.rank(), 0] = step
-    info[pg.rank(), 1] = int(synced)
-    info[pg.rank(), 2] = epoch
-    pg.allreduce([info]).wait()
-    steps = [int(s) for s in info[:, 0].tolist()]
-    flags = [bool(f) for f in info[:, 1].tolist()]
-    epochs = [int(e) for e in info[:, 2].tolist()]
-    if not any(flags):
-        # A fresh job: rank 0's state is the truth, as for DDP's construction-time broadcast.
-        return Plan(0, list(range(1, len(steps))), steps[0], steps, flags, epochs[0], epochs)
-    ids = [(e, s) for s, e in zip(steps, epochs)]
-    target = max(i for i, f in zip(ids, flags) if f)
-    source = min(r for r, (i, f) in enumerate(zip(ids, flags)) if f and i == target)
-    recipients = [r for r, (i, f) in enumerate(zip(ids, flags)) if r != source and (not f or i != target)]
-    return Plan(source, recipients, target[1], steps, flags, target[0], epochs)
+    rows = exchange_info(pg, step, synced, epoch)
+    return plan_among(range(len(rows)), [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
 
 
 def transfer(pg: Any, plan: Plan, get_state: Callable[[], Any],
@@ -116,14 +149,15 @@ def transfer(pg: Any, plan: Plan, get_state: Callable[[], Any],
     """
     me = pg.rank()
     t0 = time.perf_counter()
-    p2p = len(plan.recipients) == 1
-    if not plan.needed or (p2p and me not in (plan.source, plan.recipients[0])):
+    p2p = plan.p2p_only or len(plan.recipients) == 1
+    if not plan.needed or (p2p and me != plan.source and me not in plan.recipients):
         return None, 0, 0.0
 
     def move(t: torch.Tensor, i: int) -> Any:
         if p2p:
             if me == plan.source:
-                return pg.send([t], plan.recipients[0], STATE_TAG + i)
+                sends = [pg.send([t], dst, STATE_TAG + i) for dst in plan.recipients]
+                return sends[0] if len(sends) == 1 else _AllOf(sends)
             return pg.recv([t], plan.source, STATE_TAG + i)
         opts = dist.BroadcastOptions()
         opts.rootRank = plan.source
@@ -176,3 +210,39 @@ def transfer(pg: Any, plan: Plan, get_state: Callable[[], Any],
     if me not in plan.recipients:
         return None, 0, time.perf_counter() - t0
     return unpack(skeleton, buffer, into), int(skel.numel()) + total, time.perf_counter() - t0
+
+
+def shard_plans(placement: "Placement", rows: Sequence[tuple[int, bool, int, int]]) -> dict[int, Plan]:
+    """FT-HSDP recovery (issue 16): per shard index, who sends that shard's state to whom.
+
+    ``rows`` are :func:`exchange_info`'s, ``placement`` the configuration's
+    (:meth:`ftc10d.train.mesh.HSDPLayout.placement`). Only a rank of the same shard index
+    can give a replacement its shard, so each index gets its own plan among its live
+    holders (complete replicas or not: a replica waiting for its replacement is brought
+    up to date too), sent point to point; the plans of different indices run at once.
+
+    Every shard index must reach the same state: the job's, the greatest identity of any
+    synchronized rank. An index none of whose live holders holds it (every replica that
+    held the shard is gone: with ``R = 1``, any death) raises :class:`StateLostError`
+    naming it: the job's state cannot be put together again; restore from a checkpoint.
+    In a fresh job (nobody synchronized) each index's lowest rank is its source.
+    """
+    steps = [r[0] for r in rows]
+    flags = [r[1] and placement.coords(i) is not None for i, r in enumerate(rows)]
+    epochs = [r[2] for r in rows]
+    held = [(epochs[i], steps[i]) for i in range(len(rows)) if flags[i]]
+    target = max(held) if held else None
+    plans: dict[int, Plan] = {}
+    for index in range(placement.layout.shard):
+        ranks = placement.shard_ranks(index)
+        plan = plan_among(ranks, steps, flags, epochs, p2p_only=True) if ranks else None
+        if target is not None and (plan is None or not flags[plan.source] or (plan.epoch, plan.step) != target):
+            have = "no live rank" if plan is None else f"ranks {ranks}, at (epoch, step) " + ", ".join(
+                str((epochs[r], steps[r])) if flags[r] else "none" for r in ranks)
+            raise StateLostError(
+                f"shard {index} of the {placement.layout.replicas}x{placement.layout.shard} mesh is lost: the job is "
+                f"at (epoch, step) {target}, and {have} hold it (every replica that held this shard is gone); "
+                "restore the job from a checkpoint")
+        if plan is not None:
+            plans[index] = plan
+    return plans
