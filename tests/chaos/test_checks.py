@@ -273,3 +273,21 @@ def test_a_rollback_forced_by_the_death_of_every_holder_is_one_lineage_and_a_liv
     # A replacement that had received step 4 alive before epoch 5 resumed from step 3: two lineages.
     got4 = alive + [ev(4, "recovered", 4.8, step=4, epoch=2, source=0)]
     assert any("two lineages" in p for p in checks.check_lineage(got4, deaths={1: 4.5}))
+
+
+def test_listening_owners_names_the_process_holding_a_port() -> None:
+    """A trial's coordinator port found listening after the trial is a leak only if a trial
+    process (or the runner) holds it; a port another process took since is reported, not
+    counted (a vote-weighted run once flagged a port that a test suite's store had taken)."""
+    import os
+    import socket
+
+    from ftc10d.chaos.checks import listening_owners
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        owners = listening_owners(port)
+        assert "python" in owners.get(os.getpid(), "")
+    assert listening_owners(port) == {}

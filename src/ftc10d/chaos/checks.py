@@ -413,6 +413,33 @@ def listening_ports() -> set[int]:
     return {port for port, _ in _listening()}
 
 
+def listening_owners(port: int) -> dict[int, str]:
+    """pid -> command line of every process holding a socket that listens on ``port`` in
+    this network namespace (empty if none, or if their /proc entries cannot be read)."""
+    inodes = {inode for p, inode in _listening() if p == port}
+    owners: dict[int, str] = {}
+    if not inodes:
+        return owners
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in inodes:
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        owners[int(pid)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:160]
+                except OSError:
+                    owners[int(pid)] = "?"
+                break
+    return owners
+
+
 def own_listening_sockets() -> int:
     """How many listening TCP sockets this process holds (the chaos runner outlives trials)."""
     inodes = {inode for _, inode in _listening()}

@@ -425,7 +425,13 @@ class Trial:
             self.notes.append(f"new /dev/shm entries not attributable to the trial: {other[:5]}")
         listening = checks.listening_ports()
         if coordinator_port is not None and coordinator_port in listening:
-            violations.append(f"the coordinator's port {coordinator_port} is still listening")
+            owners = checks.listening_owners(coordinator_port)
+            if not owners or set(owners) & (self.pids | {os.getpid()}):  # the launchers run in this process
+                violations.append(f"the coordinator's port {coordinator_port} is still listening"
+                                  + (f" (held by {owners})" if owners else ""))
+            else:  # the trial's processes are gone (checked above): another process took the port since
+                self.notes.append(f"the coordinator's port {coordinator_port} is listening again, held by "
+                                  f"processes outside the trial: {owners}")
         if self.etcd is not None and set(self.etcd.ports) & listening:
             violations.append(f"etcd ports still listening: {sorted(set(self.etcd.ports) & listening)}")
         if checks.own_listening_sockets() > sockets_before:
