@@ -1,0 +1,184 @@
+"""FT-HSDP's groups and state: FSDP2 inside each replica, a fault-tolerant replicate axis.
+
+One rank owns two ftc10d groups, each created once and reconfigured in place at every
+configuration change of the job (:class:`HSDPGroups`):
+
+- the **shard group**: its replica's ``S`` ranks, ordered by shard index, so that the
+  rank in it *is* the shard index whatever configuration it is in. FSDP2 shards over a
+  1-D mesh of it (``DeviceMesh.from_group``), made once: since the group object stays
+  and its rank stays, the module FSDP2 sharded keeps working across reconfigures
+  (``tests/train/test_fsdp_seam.py``), and a replica's survivors keep their modules
+  while a replacement takes the dead rank's place.
+- the **replicate group**: the ranks of the same shard index in the replicas that train
+  (complete ones). The cross-replica all-reduce runs in FSDP2's ``set_all_reduce_hook``
+  on it and divides by its current size: gradients are averaged over the replicas taking
+  part in the step, never by a stale replicate size.
+
+Their stores live under the job store at fixed prefixes (``ftc10d/hsdp/shard/<replica>``,
+``ftc10d/hsdp/replicate/<shard index>``), and a configuration's handles under
+``ftc10d/hsdp/<uuid>/<slot>``: the world configuration's uuid is the sub-groups'
+uuid too (unique per configuration; each group has its own store, so it is used once
+per group).
+
+What a replacement receives is the rank's *local* state: the local shards of the
+parameters and of the optimizer's per-parameter state (:func:`local_state`,
+:func:`load_local_state`), sent by a live rank of the same shard index
+(:func:`ftc10d.train.recovery.shard_plans`).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ftc10d.pg import ProcessGroup
+from ftc10d.train.mesh import HSDPLayout, Placement
+from ftc10d.types import InvalidOptionError
+
+logger = logging.getLogger("ftc10d")
+
+PREFIX = "ftc10d/hsdp"
+
+
+def _local(t: Any) -> torch.Tensor:
+    """A DTensor's local shard (a view of its storage), or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+class HSDPGroups:
+    """This rank's shard and replicate groups (module docstring).
+
+    Args:
+        store: the job's store (every rank's, the same).
+        layout: the mesh at full strength.
+        slot: this rank's slot (its coordinates, :mod:`ftc10d.train.mesh`).
+        timeout: the groups' op and rendezvous timeout.
+    """
+
+    def __init__(self, store: dist.Store, layout: HSDPLayout, slot: int,
+                 timeout: timedelta = timedelta(minutes=5)) -> None:
+        self.layout = layout
+        self.slot = slot
+        self.replica, self.shard_index = layout.coords(slot)
+        self._store = store
+        self.shard = ProcessGroup(dist.PrefixStore(f"{PREFIX}/shard/{self.replica}", store), 0, layout.shard,
+                                  timeout=timeout, enable_reconfigure=True)
+        self.replicate = ProcessGroup(dist.PrefixStore(f"{PREFIX}/replicate/{self.shard_index}", store), 0,
+                                      layout.replicas, timeout=timeout, enable_reconfigure=True)
+        self.uuid: Optional[int] = None
+        self._mesh: Any = None
+
+    @property
+    def mesh(self) -> Any:
+        """The 1-D ``DeviceMesh`` of the shard group, for ``fully_shard(..., mesh=)`` (made once,
+        at the first configuration this rank trains in)."""
+        if self._mesh is None:
+            if self.shard.generation is None:
+                raise InvalidOptionError("the shard group has no configuration yet: call configure() first, "
+                                         "from a configuration in which this rank's replica is complete")
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._mesh = DeviceMesh.from_group(self.shard, "cpu")
+        return self._mesh
+
+    def configure(self, placement: Placement, uuid: int, world_rank: int) -> bool:
+        """Move both groups to the configuration ``uuid`` (the world group's) described by
+        ``placement``; every rank of the configuration calls it. Returns whether this rank
+        trains in it (its replica is complete): one that does not touches neither group and
+        waits for the next configuration, keeping its shard."""
+        from ftc10d.pg.c10d import reconfigure
+
+        key = f"{PREFIX}/{uuid}"
+        self._store.set(f"{key}/{self.slot}",
+                        f"{self.shard.get_reconfigure_handle()} {self.replicate.get_reconfigure_handle()}")
+        if not placement.trains(world_rank):
+            return False
+        slots = placement.slots
+        mates = [slots[r] for r in placement.replica_ranks(self.replica) if r is not None]
+        peers = [slots[r] for r in placement.shard_ranks(self.shard_index, complete_only=True)]
+        wanted = sorted(set(mates) | set(peers))
+        self._store.wait([f"{key}/{s}" for s in wanted], self.shard.timeout)
+        handles = dict(zip(wanted, (v.decode().split(" ") for v in self._store.multi_get(
+            [f"{key}/{s}" for s in wanted]))))
+        reconfigure(uuid, [handles[s][0] for s in mates], group=self.shard)  # by shard index: rank = index
+        reconfigure(uuid, [handles[s][1] for s in peers], group=self.replicate)  # by replica
+        self.uuid = uuid
+        return True
+
+    def all_reduce_hook(self, on_failure: Callable[[BaseException], None]) -> Callable[[torch.Tensor], None]:
+        """FSDP2's all-reduce hook: average the reduce-scattered gradient over the replicas
+        that train. A failure is handed to ``on_failure`` (the step must not commit) and the
+        gradient left as it is: the hook never raises into FSDP2's backward."""
+
+        def hook(grad: torch.Tensor) -> None:
+            try:
+                self.replicate.allreduce([grad]).wait()
+            except Exception as exc:  # noqa: BLE001 - any failure fails the step, see on_failure
+                on_failure(exc)
+                return
+            grad.div_(self.replicate.size())
+
+        return hook
+
+    def abort(self) -> None:
+        """Abort both groups' current configurations (their pending ops raise at once)."""
+        for pg in (self.shard, self.replicate):
+            if pg.generation is not None:
+                pg.abort()
+
+
+# ------------------------------------------------------------ local state
+
+
+def local_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
+    """This rank's share of the model and optimizer: every parameter's and buffer's local
+    shard, and the optimizer's per-parameter state (its tensors' local shards), by name.
+    Ranks of the same shard index hold equal ones (invariant 1 per shard)."""
+    out: dict[str, Any] = {"model": {k: _local(v) for k, v in model.state_dict().items()}}
+    if optimizer is not None:
+        names = {p: n for n, p in model.named_parameters()}
+        out["optim"] = {names[p]: {k: (_local(v) if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+                        for p, st in optimizer.state.items() if p in names}
+    return out
+
+
+def load_local_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], state: dict[str, Any]) -> None:
+    """Copy a :func:`local_state` of the same shard index into this rank's model and
+    optimizer, in place (FSDP2's parameters stay the same objects)."""
+    own = model.state_dict()
+    if set(own) != set(state["model"]):
+        raise InvalidOptionError(f"received model state names {sorted(state['model'])} differ from this model's "
+                                 f"{sorted(own)}: the same model on every rank?")
+    with torch.no_grad():
+        for k, v in state["model"].items():
+            _local(own[k]).copy_(v)
+    if optimizer is None:
+        return
+    params = dict(model.named_parameters())
+    for name, st in state.get("optim", {}).items():
+        p = params[name]
+        mine = optimizer.state.get(p)
+        if not mine:  # this rank has not stepped yet: take the received tensors, shaped as its params
+            optimizer.state[p] = {k: (_wrap_like(p, v) if isinstance(v, torch.Tensor) and v.dim() else v)
+                                  for k, v in st.items()}
+            continue
+        for k, v in st.items():
+            if isinstance(mine.get(k), torch.Tensor):
+                with torch.no_grad():
+                    _local(mine[k]).copy_(v)
+            else:
+                mine[k] = v
+
+
+def _wrap_like(param: Any, local: torch.Tensor) -> Any:
+    """``local`` as a tensor of ``param``'s kind (a DTensor with its mesh and placements)."""
+    from_local = getattr(type(param), "from_local", None)
+    if from_local is None:
+        return local.clone()
+    return from_local(local.clone(), param.device_mesh, param.placements, run_check=False,
+                      shape=param.shape, stride=param.stride())
