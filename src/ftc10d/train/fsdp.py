@@ -94,6 +94,8 @@ class HSDPGroups:
         from ftc10d.pg.c10d import reconfigure
 
         key = f"{PREFIX}/{uuid}"
+        if placement.coords(world_rank) is None:
+            return False  # surplus: another rank holds this slot (and publishes under it)
         self._store.set(f"{key}/{self.slot}",
                         f"{self.shard.get_reconfigure_handle()} {self.replicate.get_reconfigure_handle()}")
         if not placement.trains(world_rank):
