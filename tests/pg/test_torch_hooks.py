@@ -137,3 +137,28 @@ def test_flight_recorder_hook_records_while_attached() -> None:
     for r in range(2):
         assert native[r][2] - native[r][1] >= 2, native
         assert ours[r] == [0, 0, 2, 2], ours
+
+
+def _fr_default_on(rank: int, world: int, port: int) -> list[int]:
+    pg = ftc10d.ProcessGroup(harness.client_store(port), rank, world, timeout=T)  # records by default
+    t = torch.ones(3)
+    handle = C.FlightRecorderHook.attach(pg)
+    dist.all_reduce(t, group=pg)
+    handle.remove()
+    first = _recorded("ftc10d", pg)
+    dist.all_reduce(t, group=pg)
+    nan_a, nan_b = C.NanCheckHook.attach(pg), C.NanCheckHook.attach(pg)
+    nan_a.remove()  # b's check stays
+    out = [first, _recorded("ftc10d", pg), int(_outcome(lambda: dist.all_reduce(torch.tensor([float("nan")]),
+                                                                                   group=pg)) != "returned")]
+    nan_b.remove()
+    dist.barrier(group=pg)
+    return out
+
+
+def test_removing_a_hook_takes_away_only_what_its_attach_added() -> None:
+    """A group records by default: a FlightRecorderHook attached and removed on it leaves it
+    recording (its abort dumps depend on it). Two NaN checks: removing one leaves the other."""
+    out = harness.run(_fr_default_on, 2)
+    for r in range(2):
+        assert out[r] == [1, 2, 1], out[r]

@@ -26,7 +26,7 @@ from ftc10d.train.recovery import exchange_info, shard_plans, transfer
 from tests import harness
 
 T = timedelta(seconds=30)
-LAYOUT = HSDPLayout(replicas=2, shard=2)
+LAYOUT = HSDPLayout(replicas=2, shard_size=2)
 #: harness rank -> slot: rank 4 is slot 1's replacement.
 SLOTS = [0, 1, 2, 3, 1]
 
@@ -150,6 +150,8 @@ def test_a_2x2_hsdp_job_loses_a_rank_trains_on_with_one_replica_and_the_replacem
     assert res[4]["received bytes"] > 0 and res[0]["received bytes"] > 0  # the replacement, the waiting survivor
     # invariant 1 per shard: after every step both replicas hold bitwise-equal shards
     by_slot = {res[r]["slot"]: res[r]["digests"] for r in (0, 2, 3, 4)}
+    for step in (1, 2, 3):  # before the kill (slot 1's own digests died with it)
+        assert by_slot[0][step] == by_slot[2][step], (step, "shard 0")
     for step in (7, 8, 9):
         assert by_slot[0][step] == by_slot[2][step], (step, "shard 0")
         assert by_slot[1][step] == by_slot[3][step], (step, "shard 1")

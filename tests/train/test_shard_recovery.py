@@ -23,7 +23,7 @@ def _rows(*rows: tuple[int, bool, int, int]) -> list[tuple[int, bool, int, int]]
 
 
 def test_a_replacement_receives_from_the_live_rank_of_its_shard_index() -> None:
-    lay = HSDPLayout(replicas=2, shard=2)
+    lay = HSDPLayout(replicas=2, shard_size=2)
     # slot 1 died and was replaced (membership order: the replacement is rank 3)
     rows = _rows((40, True, 3, 0), (40, True, 3, 2), (40, True, 3, 3), (0, False, 0, 1))
     plans = shard_plans(lay.placement([r[3] for r in rows]), rows)
@@ -33,7 +33,7 @@ def test_a_replacement_receives_from_the_live_rank_of_its_shard_index() -> None:
 
 
 def test_a_replica_that_waited_for_its_replacement_is_brought_up_to_date_too() -> None:
-    lay = HSDPLayout(replicas=2, shard=2)
+    lay = HSDPLayout(replicas=2, shard_size=2)
     # replica 0 waited at step 40 (its slot 1 died) while replica 1 trained on to 55
     rows = _rows((40, True, 3, 0), (55, True, 4, 2), (55, True, 4, 3), (0, False, 0, 1))
     plans = shard_plans(lay.placement([r[3] for r in rows]), rows)
@@ -43,17 +43,17 @@ def test_a_replica_that_waited_for_its_replacement_is_brought_up_to_date_too() -
 
 def test_a_fresh_job_sends_each_shard_from_its_lowest_rank() -> None:
     rows = _rows(*[(0, False, 0, s) for s in (3, 2, 1, 0)])
-    plans = shard_plans(HSDPLayout(replicas=2, shard=2).placement([r[3] for r in rows]), rows)
+    plans = shard_plans(HSDPLayout(replicas=2, shard_size=2).placement([r[3] for r in rows]), rows)
     assert (plans[0].source, plans[0].recipients) == (1, [3])
     assert (plans[1].source, plans[1].recipients) == (0, [2])
 
 
 def test_every_holder_of_a_shard_gone_is_state_lost_also_with_one_replica() -> None:
-    lay = HSDPLayout(replicas=2, shard=2)
+    lay = HSDPLayout(replicas=2, shard_size=2)
     rows = _rows((40, True, 3, 0), (40, True, 3, 2), (0, False, 0, 1), (0, False, 0, 3))  # slots 1 and 3 died
     with pytest.raises(StateLostError, match=r"shard 1 of the 2x2 mesh is lost: .* \(3, 40\), and ranks \[2, 3\]"):
         shard_plans(lay.placement([r[3] for r in rows]), rows)
-    r1 = HSDPLayout(replicas=1, shard=2)
+    r1 = HSDPLayout(replicas=1, shard_size=2)
     with pytest.raises(StateLostError, match="shard 1 of the 1x2 mesh is lost"):
         shard_plans(r1.placement([0]), _rows((9, True, 1, 0)))
 
@@ -62,7 +62,7 @@ def _move_shards(rank: int, world: int, port: int, slots: list[int], synced: lis
     """Every rank's state is its slot's shard; the ranks in ``synced`` hold step 7 of the job,
     the others nothing yet. After the plans ran, every rank must hold its shard index's."""
     pg = ftc10d.ProcessGroup(harness.client_store(port), rank, world, timeout=T)
-    lay = HSDPLayout(replicas=world // 2, shard=2)
+    lay = HSDPLayout(replicas=world // 2, shard_size=2)
     slot = slots[rank]
     index = slot % 2
     mine = rank in synced

@@ -413,42 +413,45 @@ def listening_ports() -> set[int]:
     return {port for port, _ in _listening()}
 
 
-def listening_owners(port: int) -> dict[int, str]:
-    """pid -> command line of every process holding a socket that listens on ``port`` in
-    this network namespace (empty if none, or if their /proc entries cannot be read)."""
-    inodes = {inode for p, inode in _listening() if p == port}
-    owners: dict[int, str] = {}
-    if not inodes:
-        return owners
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:[") and target[8:-1] in inodes:
-                try:
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        owners[int(pid)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:160]
-                except OSError:
-                    owners[int(pid)] = "?"
-                break
-    return owners
+def listening_inodes(port: int) -> set[str]:
+    """The socket inodes listening on ``port`` in this network namespace."""
+    return {inode for p, inode in _listening() if p == port}
 
 
-def own_listening_sockets() -> int:
-    """How many listening TCP sockets this process holds (the chaos runner outlives trials)."""
-    inodes = {inode for _, inode in _listening()}
+def _sockets_of(pid: str, inodes: set[str]) -> int:
+    """How many of ``inodes`` process ``pid`` holds open (0 if its fds cannot be read)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return 0
     count = 0
-    for fd in os.listdir("/proc/self/fd"):
+    for fd in fds:
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
         if target.startswith("socket:[") and target[8:-1] in inodes:
             count += 1
     return count
+
+
+def listening_owners(port: int) -> dict[int, str]:
+    """pid -> command line of every process holding a socket that listens on ``port`` in
+    this network namespace (empty if none, or if their /proc entries cannot be read)."""
+    inodes = listening_inodes(port)
+    owners: dict[int, str] = {}
+    if not inodes:
+        return owners
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if _sockets_of(pid, inodes):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    owners[int(pid)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:160]
+            except OSError:
+                owners[int(pid)] = "?"
+    return owners
+
+
+def own_listening_sockets() -> int:
+    """How many listening TCP sockets this process holds (the chaos runner outlives trials)."""
+    return _sockets_of("self", {inode for _, inode in _listening()})

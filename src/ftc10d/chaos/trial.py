@@ -320,12 +320,14 @@ class Trial:
         rc: Optional[int] = None
         chain: Optional[dict[int, list[str]]] = None
         coordinator_port: Optional[int] = None
+        coordinator_sockets: set[str] = set()
         tail = Tail(self.events_dir)
         deadline = time.monotonic() + spec.timeout
         try:
             self.net.start()
             self._launch()
             coordinator_port = int(self.launchers[0].coordinator_address.rpartition(":")[2])
+            coordinator_sockets = checks.listening_inodes(coordinator_port)
             waiting_since: dict[int, float] = {}
             while rc is None:
                 for e in tail.poll():
@@ -426,7 +428,8 @@ class Trial:
         listening = checks.listening_ports()
         if coordinator_port is not None and coordinator_port in listening:
             owners = checks.listening_owners(coordinator_port)
-            if not owners or set(owners) & (self.pids | {os.getpid()}):  # the launchers run in this process
+            if (not owners or set(owners) & (self.pids | {os.getpid()})  # the launchers run in this process
+                    or checks.listening_inodes(coordinator_port) & coordinator_sockets):  # the very socket
                 violations.append(f"the coordinator's port {coordinator_port} is still listening"
                                   + (f" (held by {owners})" if owners else ""))
             else:  # the trial's processes are gone (checked above): another process took the port since

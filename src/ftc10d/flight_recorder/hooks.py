@@ -82,7 +82,11 @@ class _Observer:
     ) -> Entry:
         # The hot path: build the entry here rather than through FlightRecorder.record(),
         # saving a call frame and an argument shuffle on every op.
-        name, desc = gen.fr_info
+        info = gen.fr_info
+        if info is None:  # attached while a reconfigure installed this generation
+            self.on_generation(pg, gen)
+            info = gen.fr_info
+        name, desc = info
         if p2p:
             me = gen.rank
             peer = root if root >= 0 else me  # recv from any source: the peer is unknown
@@ -143,9 +147,12 @@ def detach(pg: ProcessGroup) -> None:
 
 
 def _torch_flight_recorder_hook(pg: ProcessGroup) -> torch_hooks.TorchHookHandle:
-    """torch's ``FlightRecorderHook.attach(pg)`` on an ftc10d group (ftc10d.pg.torch_hooks)."""
+    """torch's ``FlightRecorderHook.attach(pg)`` on an ftc10d group (ftc10d.pg.torch_hooks):
+    its ``remove()`` detaches the recorder only if this call attached it (a group records
+    by default; removing a hook must not cost it its abort dumps)."""
+    attached_here = pg not in _groups
     attach(pg)
-    return torch_hooks.TorchHookHandle("FlightRecorderHook", pg, detach)
+    return torch_hooks.TorchHookHandle("FlightRecorderHook", pg, detach if attached_here else lambda _pg: None)
 
 
 def _on_group_created(pg: ProcessGroup, flight_recorder: Any) -> None:

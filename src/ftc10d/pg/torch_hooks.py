@@ -20,7 +20,8 @@ native Gloo group on the same torch, ``tests/pg/test_torch_hooks.py``):
 - ``TORCH_DIST_NAN_CHECK=1`` attaches it to every ftc10d group at creation, as torch does
   for the groups it creates.
 - ``FlightRecorderHook.attach(pg)`` turns ftc10d's flight recorder on for that group (it
-  is on by default) and ``remove()`` turns it off. Its records are read with ftc10d's dump
+  is on by default: then nothing changes) and ``remove()`` turns off what that call turned
+  on, nothing more. Its records are read with ftc10d's dump
   (``ftc10d.flight_recorder.dump``, torch's fr_trace format), not with torch's
   ``_dump_fr_trace()``, whose buffer only C++ can write.
 
@@ -104,23 +105,11 @@ def _nan_pre_hook(pg: "ProcessGroup") -> Callable[[Any], None]:
 
 
 def attach_nan_check(pg: "ProcessGroup") -> TorchHookHandle:
-    """Check every op's input tensors of ``pg`` for NaN, as torch's ``NanCheckHook``
-    (idempotent: a group has at most one NaN check)."""
-    with _lock:
-        hook_id = getattr(pg, "_nan_check_id", None)
-        if hook_id is None:
-            hook_id = next(_ids)
-            pg._nan_check_id = hook_id  # type: ignore[attr-defined]
-            pg.register_pre_hook(hook_id, _nan_pre_hook(pg))
-
-    def remove(group: "ProcessGroup") -> None:
-        with _lock:
-            hid = getattr(group, "_nan_check_id", None)
-            if hid is not None:
-                group.unregister_pre_hook(hid)
-                group._nan_check_id = None  # type: ignore[attr-defined]
-
-    return TorchHookHandle("NanCheckHook", pg, remove)
+    """Check every op's input tensors of ``pg`` for NaN, as torch's ``NanCheckHook``. Each
+    call attaches a check of its own, which its handle's ``remove()`` (only) detaches."""
+    hook_id = next(_ids)
+    pg.register_pre_hook(hook_id, _nan_pre_hook(pg))
+    return TorchHookHandle("NanCheckHook", pg, lambda group: group.unregister_pre_hook(hook_id))
 
 
 ATTACH["NanCheckHook"] = attach_nan_check
@@ -160,6 +149,7 @@ def install() -> None:
 
 
 def on_group_created(pg: "ProcessGroup", _flight_recorder: Any) -> None:
-    """``TORCH_DIST_NAN_CHECK=1``: every group gets the NaN check, as torch's do (2.14+)."""
+    """``TORCH_DIST_NAN_CHECK=1``: every group gets the NaN check, as torch's do (2.14+).
+    (A group torch creates gets a second one from torch's own call: the same check twice.)"""
     if os.environ.get("TORCH_DIST_NAN_CHECK", "0") == "1" and getattr(_c10d, "NanCheckHook", None) is not None:
         attach_nan_check(pg)

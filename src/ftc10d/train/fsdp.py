@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ftc10d.pg import ProcessGroup
 from ftc10d.train.mesh import HSDPLayout, Placement
-from ftc10d.types import InvalidOptionError
+from ftc10d.types import InvalidOptionError, NotConfiguredError
 
 logger = logging.getLogger("ftc10d")
 
@@ -66,7 +66,7 @@ class HSDPGroups:
         self.slot = slot
         self.replica, self.shard_index = layout.coords(slot)
         self._store = store
-        self.shard = ProcessGroup(dist.PrefixStore(f"{PREFIX}/shard/{self.replica}", store), 0, layout.shard,
+        self.shard = ProcessGroup(dist.PrefixStore(f"{PREFIX}/shard/{self.replica}", store), 0, layout.shard_size,
                                   timeout=timeout, enable_reconfigure=True)
         self.replicate = ProcessGroup(dist.PrefixStore(f"{PREFIX}/replicate/{self.shard_index}", store), 0,
                                       layout.replicas, timeout=timeout, enable_reconfigure=True)
@@ -79,7 +79,7 @@ class HSDPGroups:
         at the first configuration this rank trains in)."""
         if self._mesh is None:
             if self.shard.generation is None:
-                raise InvalidOptionError("the shard group has no configuration yet: call configure() first, "
+                raise NotConfiguredError("the shard group has no configuration yet: call configure() first, "
                                          "from a configuration in which this rank's replica is complete")
             from torch.distributed.device_mesh import DeviceMesh
 
@@ -99,6 +99,7 @@ class HSDPGroups:
         self._store.set(f"{key}/{self.slot}",
                         f"{self.shard.get_reconfigure_handle()} {self.replicate.get_reconfigure_handle()}")
         if not placement.trains(world_rank):
+            self.abort()  # its configurations hold a dead peer: nothing may wait in them
             return False
         slots = placement.slots
         mates = [slots[r] for r in placement.replica_ranks(self.replica) if r is not None]
@@ -118,19 +119,21 @@ class HSDPGroups:
         gradient left as it is: the hook never raises into FSDP2's backward."""
 
         def hook(grad: torch.Tensor) -> None:
+            replicas = self.replicate.size()  # of the configuration the all-reduce is issued on
             try:
                 self.replicate.allreduce([grad]).wait()
             except Exception as exc:  # noqa: BLE001 - any failure fails the step, see on_failure
                 on_failure(exc)
                 return
-            grad.div_(self.replicate.size())
+            grad.div_(replicas)
 
         return hook
 
     def abort(self) -> None:
         """Abort both groups' current configurations (their pending ops raise at once)."""
         for pg in (self.shard, self.replicate):
-            if pg.generation is not None:
+            gen = pg.generation
+            if gen is not None and not gen.aborted:
                 pg.abort()
 
 
@@ -139,13 +142,16 @@ class HSDPGroups:
 
 def local_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
     """This rank's share of the model and optimizer: every parameter's and buffer's local
-    shard, and the optimizer's per-parameter state (its tensors' local shards), by name.
-    Ranks of the same shard index hold equal ones (invariant 1 per shard)."""
+    shard, the optimizer's per-parameter state (its tensors' local shards) by parameter
+    name, and its param groups' hyperparameters (lr, momentum...: a scheduler changes
+    them; register the scheduler's own state too). Ranks of the same shard index hold
+    equal ones (invariant 1 per shard)."""
     out: dict[str, Any] = {"model": {k: _local(v) for k, v in model.state_dict().items()}}
     if optimizer is not None:
         names = {p: n for n, p in model.named_parameters()}
         out["optim"] = {names[p]: {k: (_local(v) if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
                         for p, st in optimizer.state.items() if p in names}
+        out["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     return out
 
 
@@ -162,6 +168,16 @@ def load_local_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Opt
     if optimizer is None:
         return
     params = dict(model.named_parameters())
+    unknown = sorted(set(state.get("optim", {})) - set(params))
+    groups = state.get("param_groups", [])
+    if unknown or (groups and len(groups) != len(optimizer.param_groups)):
+        raise InvalidOptionError(f"received optimizer state for parameters {unknown} this model lacks, or "
+                                 f"{len(groups)} param groups for {len(optimizer.param_groups)}: the same model and "
+                                 "optimizer on every rank?")
+    for mine_group, got in zip(optimizer.param_groups, groups):
+        mine_group.update(got)
+    for name in set(params) - set(state.get("optim", {})):
+        optimizer.state.pop(params[name], None)  # the source had none: neither may this rank
     for name, st in state.get("optim", {}).items():
         p = params[name]
         mine = optimizer.state.get(p)

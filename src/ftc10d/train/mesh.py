@@ -50,18 +50,20 @@ def _positive(name: str, value: object) -> int:
 
 @dataclass(frozen=True)
 class HSDPLayout:
-    """``replicas`` x ``shard`` ranks at full strength, slot ``k`` at ``divmod(k, shard)``."""
+    """``replicas`` x ``shard_size`` ranks at full strength, slot ``k`` at ``divmod(k, shard_size)``."""
 
+    #: R: replicas at full strength (the replicate axis).
     replicas: int
-    shard: int
+    #: S: ranks per replica, over which FSDP2 shards (the shard axis).
+    shard_size: int
 
     def __post_init__(self) -> None:
         _positive("replicas", self.replicas)
-        _positive("shard", self.shard)
+        _positive("shard_size", self.shard_size)
 
     @property
     def world_size(self) -> int:
-        return self.replicas * self.shard
+        return self.replicas * self.shard_size
 
     @property
     def mesh_dim_names(self) -> tuple[str, str]:
@@ -71,10 +73,11 @@ class HSDPLayout:
         """``(replica, shard_index)`` of ``slot``."""
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.world_size:
             raise InvalidOptionError(
-                f"slot {slot!r} is outside this {self.replicas}x{self.shard} mesh (slots 0..{self.world_size - 1}); "
+                f"slot {slot!r} is outside this {self.replicas}x{self.shard_size} mesh "
+                f"(slots 0..{self.world_size - 1}); "
                 f"start {self.world_size} workers (ftc10d launch --nnodes x --nproc-per-node = replicas x shard), "
                 "or give the Manager each worker's slot (its RANK under ftc10d launch)")
-        return divmod(slot, self.shard)
+        return divmod(slot, self.shard_size)
 
     def placement(self, slots: Sequence[int]) -> "Placement":
         """Who holds what, from the slot of every rank of a configuration (``slots[rank]``)."""
@@ -83,7 +86,7 @@ class HSDPLayout:
             self.coords(slot)
             holder.setdefault(slot, rank)  # a slot claimed twice: the lower rank holds it
         complete = tuple(r for r in range(self.replicas)
-                         if all(r * self.shard + s in holder for s in range(self.shard)))
+                         if all(r * self.shard_size + s in holder for s in range(self.shard_size)))
         surplus = tuple(rank for rank, slot in enumerate(slots) if holder[slot] != rank)
         return Placement(self, tuple(slots), holder, complete, surplus)
 
@@ -104,20 +107,26 @@ class Placement:
 
     def coords(self, rank: int) -> Optional[tuple[int, int]]:
         """``(replica, shard_index)`` of ``rank``; None for a surplus rank."""
+        if not 0 <= rank < len(self.slots):
+            raise InvalidOptionError(f"rank {rank} is not in this configuration of {len(self.slots)} ranks")
         if rank in self.surplus:
             return None
         return self.layout.coords(self.slots[rank])
 
     def replica_ranks(self, replica: int) -> list[Optional[int]]:
         """The ranks of ``replica`` by shard index (None where that shard index is not live)."""
-        s = self.layout.shard
+        s = self.layout.shard_size
+        if not 0 <= replica < self.layout.replicas:
+            raise InvalidOptionError(f"replica {replica} is not in 0..{self.layout.replicas - 1}")
         return [self.holder.get(replica * s + i) for i in range(s)]
 
     def shard_ranks(self, shard_index: int, *, complete_only: bool = False) -> list[int]:
         """The ranks holding ``shard_index``, by replica; only the complete replicas' with
         ``complete_only`` (the replicate group that trains)."""
+        if not 0 <= shard_index < self.layout.shard_size:
+            raise InvalidOptionError(f"shard index {shard_index} is not in 0..{self.layout.shard_size - 1}")
         reps = self.complete if complete_only else range(self.layout.replicas)
-        ranks = [self.holder.get(r * self.layout.shard + shard_index) for r in reps]
+        ranks = [self.holder.get(r * self.layout.shard_size + shard_index) for r in reps]
         return [r for r in ranks if r is not None]
 
     @property

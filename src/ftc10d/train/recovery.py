@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ftc10d.pg.work import MultiWork
 from ftc10d.train.state import (
     DIRECT_BYTES,
     StateFormatError,
@@ -84,18 +85,6 @@ class Plan:
         but in another configuration: a history the job does not continue (they receive)."""
         return [r for r in self.recipients
                 if self.synced[r] and self.steps[r] == self.step and self.epochs[r] != self.epoch]
-
-
-class _AllOf:
-    """The sends of one message to several recipients, waited as one."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-
-    def wait(self) -> bool:
-        for w in self.works:
-            w.wait()
-        return True
 
 
 def exchange_info(pg: Any, step: int, synced: bool, epoch: int = 0, slot: int = -1) -> list[tuple[int, bool, int, int]]:
@@ -157,7 +146,7 @@ def transfer(pg: Any, plan: Plan, get_state: Callable[[], Any],
         if p2p:
             if me == plan.source:
                 sends = [pg.send([t], dst, STATE_TAG + i) for dst in plan.recipients]
-                return sends[0] if len(sends) == 1 else _AllOf(sends)
+                return sends[0] if len(sends) == 1 else MultiWork(sends, None)
             return pg.recv([t], plan.source, STATE_TAG + i)
         opts = dist.BroadcastOptions()
         opts.rootRank = plan.source
@@ -181,7 +170,8 @@ def transfer(pg: Any, plan: Plan, get_state: Callable[[], Any],
             works.append(move(msg, 2 + k))
         for w in works:
             w.wait()
-        return None, int(skel.numel()) + lay.total, time.perf_counter() - t0
+        copies = len(plan.recipients) if p2p else 1  # sent once to each, or one broadcast
+        return None, (int(skel.numel()) + lay.total) * copies, time.perf_counter() - t0
     move(header, 0).wait()
     if not 0 < int(header[0]) <= MAX_SKELETON_BYTES or int(header[1]) < 0:
         raise StateFormatError(f"state header announces a skeleton of {int(header[0])} bytes and a buffer of "
@@ -233,15 +223,16 @@ def shard_plans(placement: "Placement", rows: Sequence[tuple[int, bool, int, int
     held = [(epochs[i], steps[i]) for i in range(len(rows)) if flags[i]]
     target = max(held) if held else None
     plans: dict[int, Plan] = {}
-    for index in range(placement.layout.shard):
+    lay = placement.layout
+    for index in range(lay.shard_size):
         ranks = placement.shard_ranks(index)
         plan = plan_among(ranks, steps, flags, epochs, p2p_only=True) if ranks else None
         if target is not None and (plan is None or not flags[plan.source] or (plan.epoch, plan.step) != target):
             have = "no live rank" if plan is None else f"ranks {ranks}, at (epoch, step) " + ", ".join(
                 str((epochs[r], steps[r])) if flags[r] else "none" for r in ranks)
             raise StateLostError(
-                f"shard {index} of the {placement.layout.replicas}x{placement.layout.shard} mesh is lost: the job is "
-                f"at (epoch, step) {target}, and {have} hold it (every replica that held this shard is gone); "
+                f"shard {index} of the {lay.replicas}x{lay.shard_size} mesh is lost: the job is at (epoch, step) "
+                f"{target}, and {have} hold it (every replica that held this shard is gone); "
                 "restore the job from a checkpoint")
         if plan is not None:
             plans[index] = plan
