@@ -10,7 +10,6 @@ train on, and every shard is bitwise identical across the replicas after every s
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 from datetime import timedelta
@@ -24,24 +23,12 @@ from ftc10d.train.fsdp import HSDPGroups, load_local_state, local_state
 from ftc10d.train.mesh import HSDPLayout
 from ftc10d.train.recovery import exchange_info, shard_plans, transfer
 from tests import harness
+from tests.train.hsdp import digest
 
 T = timedelta(seconds=30)
 LAYOUT = HSDPLayout(replicas=2, shard_size=2)
 #: harness rank -> slot: rank 4 is slot 1's replacement.
 SLOTS = [0, 1, 2, 3, 1]
-
-
-def _digest(state: dict[str, Any]) -> str:
-    h = hashlib.sha256()
-    for part in ("model", "optim"):
-        for name in sorted(state.get(part, {})):
-            v = state[part][name]
-            for k in sorted(v) if isinstance(v, dict) else [None]:
-                t = v[k] if k is not None else v
-                h.update(f"{part}/{name}/{k}".encode())
-                h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes() if isinstance(t, torch.Tensor)
-                         else repr(t).encode())
-    return h.hexdigest()[:16]
 
 
 class _Job:
@@ -104,7 +91,7 @@ class _Job:
             self.opt.step()
             self.opt.zero_grad()
             self.step, self.epoch = self.step + 1, epoch
-            self.digests[self.step] = _digest(local_state(self.model, self.opt))
+            self.digests[self.step] = digest(local_state(self.model, self.opt))
             self.store.set(f"d/{self.step}/{self.slot}/{self.epoch}", self.digests[self.step])
 
 

@@ -136,6 +136,20 @@ def init_process_group(
     return pg
 
 
+def set_default_group(pg: ProcessGroup) -> None:
+    """Make an existing ftc10d group torch's default group (``DeviceMesh`` needs one; a
+    group made by ``ftc10d.train.init_from_env`` is not one). Idempotent for ``pg``."""
+    default = _default_group()
+    if default is pg:
+        return
+    if default is not None:
+        raise InvalidOptionError("another default process group is initialized; call "
+                                 "torch.distributed.destroy_process_group() first")
+    c10d._world.default_pg = pg
+    c10d._update_default_pg(pg)
+    update_ranks(pg)
+
+
 def _group(group: Optional[dist.ProcessGroup]) -> ProcessGroup:
     pg = group if group is not None else _default_group()
     if pg is None:

@@ -225,6 +225,11 @@ class ProcessGroup(dist.ProcessGroup):
         return self._timeout
 
     @property
+    def store(self) -> dist.Store:
+        """The store this group's configurations meet in (the one it was created with)."""
+        return self._store
+
+    @property
     def uuid(self) -> Optional[int]:
         """uuid of the current configuration (None for the initial one or none yet)."""
         gen = self._gen

@@ -50,6 +50,20 @@ def groups_of(values: list[int]) -> tuple[dict[str, list[int]], list[int]]:
     return groups, sorted(r for rs in groups.values() if rs is not largest for r in rs)
 
 
+def groups_by_class(values: list[int], classes: list[int]) -> tuple[dict[str, list[int]], list[int]]:
+    """:func:`groups_of` within each class (FT-HSDP: the ranks of one shard index hold equal
+    states; ranks of different indices never do): keys ``"<class>:<hex>"``, odd ranks of
+    every class together."""
+    groups: dict[str, list[int]] = {}
+    odd: list[int] = []
+    for c in sorted(set(classes)):
+        ranks = [r for r, k in enumerate(classes) if k == c]
+        sub, sub_odd = groups_of([values[r] for r in ranks])
+        groups.update({f"{c}:{h}": [ranks[i] for i in rs] for h, rs in sub.items()})
+        odd += [ranks[i] for i in sub_odd]
+    return groups, sorted(odd)
+
+
 def exchange_identities(pg: Any, fingerprint: int, step: int, epoch: int) -> list[int]:
     """All-reduce every rank's ``(fingerprint, step, commit epoch)``; returns one value per rank
     that is equal for two ranks iff the three are (the fingerprint itself when only it varies,

@@ -29,6 +29,7 @@ parameters and of the optimizer's per-parameter state (:func:`local_state`,
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -42,6 +43,12 @@ from ftc10d.types import InvalidOptionError, NotConfiguredError
 logger = logging.getLogger("ftc10d")
 
 PREFIX = "ftc10d/hsdp"
+
+
+def _coordinate(mesh: Any) -> Optional[int]:
+    """This process's coordinate in a 1-D mesh (None if torch does not place it in it)."""
+    coord = mesh.get_coordinate()
+    return None if coord is None else int(list(coord)[0])
 
 
 def _local(t: Any) -> torch.Tensor:
@@ -70,7 +77,12 @@ class HSDPGroups:
                                   timeout=timeout, enable_reconfigure=True)
         self.replicate = ProcessGroup(dist.PrefixStore(f"{PREFIX}/replicate/{self.shard_index}", store), 0,
                                       layout.replicas, timeout=timeout, enable_reconfigure=True)
+        #: Every rank that trains, by (replica, shard index): the Manager's vote runs on it.
+        self.participants = ProcessGroup(dist.PrefixStore(f"{PREFIX}/participants", store), 0, layout.world_size,
+                                         timeout=timeout, enable_reconfigure=True)
         self.uuid: Optional[int] = None
+        #: The placement of the configuration the groups were last moved to.
+        self.placement: Optional[Placement] = None
         self._mesh: Any = None
 
     @property
@@ -83,7 +95,17 @@ class HSDPGroups:
                                          "from a configuration in which this rank's replica is complete")
             from torch.distributed.device_mesh import DeviceMesh
 
-            self._mesh = DeviceMesh.from_group(self.shard, "cpu")
+            mesh = DeviceMesh.from_group(self.shard, "cpu")
+            if _coordinate(mesh) != self.shard_index:
+                # torch places this process in the mesh by its rank in the default (world) group, which
+                # follows membership order, while the shard group's "global" ranks are the stable slots:
+                # place it by its slot (FSDP2 reads the coordinate once, when it shards the module).
+                mesh._rank = dist.get_process_group_ranks(self.shard)[self.shard_index]
+                mesh._coordinate_on_dim = mesh._compute_coordinate_on_dim()
+                if _coordinate(mesh) != self.shard_index:
+                    raise RuntimeError(f"ftc10d could not place slot {self.slot} in its shard group's DeviceMesh "
+                                       f"(coordinate {mesh.get_coordinate()}, expected [{self.shard_index}])")
+            self._mesh = mesh
         return self._mesh
 
     def configure(self, placement: Placement, uuid: int, world_rank: int) -> bool:
@@ -96,22 +118,32 @@ class HSDPGroups:
         key = f"{PREFIX}/{uuid}"
         if placement.coords(world_rank) is None:
             return False  # surplus: another rank holds this slot (and publishes under it)
-        self._store.set(f"{key}/{self.slot}",
-                        f"{self.shard.get_reconfigure_handle()} {self.replicate.get_reconfigure_handle()}")
         if not placement.trains(world_rank):
             self.abort()  # its configurations hold a dead peer: nothing may wait in them
             return False
+        if self.uuid == uuid:
+            return True  # moved there already (device_mesh() and the first step's recovery)
+        groups = (self.shard, self.replicate, self.participants)
+        self._store.set(f"{key}/{self.slot}", " ".join(g.get_reconfigure_handle() for g in groups))
         slots = placement.slots
         mates = [slots[r] for r in placement.replica_ranks(self.replica) if r is not None]
         peers = [slots[r] for r in placement.shard_ranks(self.shard_index, complete_only=True)]
-        wanted = sorted(set(mates) | set(peers))
-        self._store.wait([f"{key}/{s}" for s in wanted], self.shard.timeout)
-        handles = dict(zip(wanted, (v.decode().split(" ") for v in self._store.multi_get(
-            [f"{key}/{s}" for s in wanted]))))
+        everyone = [slots[r] for r in placement.participants]
+        self._store.wait([f"{key}/{s}" for s in everyone], self.shard.timeout)
+        handles = dict(zip(everyone, (v.decode().split(" ") for v in self._store.multi_get(
+            [f"{key}/{s}" for s in everyone]))))
         reconfigure(uuid, [handles[s][0] for s in mates], group=self.shard)  # by shard index: rank = index
         reconfigure(uuid, [handles[s][1] for s in peers], group=self.replicate)  # by replica
-        self.uuid = uuid
+        reconfigure(uuid, [handles[s][2] for s in everyone], group=self.participants)  # by (replica, index)
+        self.uuid, self.placement = uuid, placement
         return True
+
+    def failed(self) -> bool:
+        """Whether one of the groups' current configurations failed or was aborted."""
+        from ftc10d.types import ErrorType
+
+        return any(g.generation is not None and (g.generation.aborted or g.get_error() != ErrorType.SUCCESS)
+                   for g in (self.shard, self.replicate, self.participants))
 
     def all_reduce_hook(self, on_failure: Callable[[BaseException], None]) -> Callable[[torch.Tensor], None]:
         """FSDP2's all-reduce hook: average the reduce-scattered gradient over the replicas
@@ -131,7 +163,7 @@ class HSDPGroups:
 
     def abort(self) -> None:
         """Abort both groups' current configurations (their pending ops raise at once)."""
-        for pg in (self.shard, self.replicate):
+        for pg in (self.shard, self.replicate, self.participants):
             gen = pg.generation
             if gen is not None and not gen.aborted:
                 pg.abort()
@@ -200,3 +232,47 @@ def _wrap_like(param: Any, local: torch.Tensor) -> Any:
         return local.clone()
     return from_local(local.clone(), param.device_mesh, param.placements, run_check=False,
                       shape=param.shape, stride=param.stride())
+
+
+# ------------------------------------------------------------ driven by the Manager
+
+def recover_shards(manager: Any, cfg: Any, deadline: float) -> bool:
+    """The FT-HSDP part of ``Manager._recover``, on every rank of configuration ``cfg``:
+    place the ranks, bring every shard index to the job's state (:func:`shard_plans`),
+    move the shard and replicate groups, compare each shard index's replicas. Returns
+    False when this rank's replica is incomplete: it then waited for the next
+    configuration (keeping its shard) and the caller starts over."""
+    from ftc10d.train.consistency import exchange_identities
+    from ftc10d.train.recovery import exchange_info, shard_plans, transfer
+
+    groups: HSDPGroups = manager.hsdp
+    pg = manager.pg
+    ready = manager.registered_fsdp
+    rows = exchange_info(pg, manager.step, manager._synced, manager.commit_epoch, groups.slot, ready)
+    placement = groups.layout.placement([r[3] for r in rows])
+    held = max((r[0] for r in rows if r[1]), default=-1)
+    job_step, closed_step = manager._job_progress()
+    if held < job_step:
+        manager._wait_for_state(cfg, held, job_step, closed_step, deadline)
+        return False
+    plans = shard_plans(placement, rows)  # StateLostError: a shard has no holder left
+    trains = groups.configure(placement, pg.uuid, pg.rank())
+    plan = plans.get(groups.shard_index) if placement.coords(pg.rank()) is not None else None
+    if plan is not None:
+        own = manager.state_dict if manager._synced and ready else None
+        state, nbytes, secs = transfer(pg, plan, manager.state_dict, own)
+        manager._received(plan, state, nbytes, secs)
+    # each shard index's replicas compared; a rank that has not registered its model yet (a
+    # replacement before Manager.fsdp: what it received waits there) is left out
+    ids = exchange_identities(pg, manager._fingerprint48() if ready else 0, manager.step, manager.commit_epoch)
+    keep = [r for r, row in enumerate(rows) if row[4] and placement.coords(r) is not None]
+    if keep:
+        manager._compare([ids[r] for r in keep], "after the configuration change",
+                         [placement.coords(r)[1] for r in keep], keep)  # type: ignore[index]
+    if not trains:
+        manager._emit("waiting", epoch=cfg.epoch, replica=groups.replica, complete=list(placement.complete))
+        logger.info("manager: replica %d is incomplete in epoch %d; waiting for its replacement", groups.replica,
+                    cfg.epoch)
+        manager.member.wait_next(cfg.epoch, timeout=max(deadline - time.monotonic(), 0.001))
+        return False
+    return True

@@ -62,16 +62,25 @@ collective does when a peer dies half way (some ranks complete it, others fail):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ftc10d.membership import Member
-from ftc10d.train.consistency import FP_WORDS, exchange_identities, fingerprint48, groups_of, join_words, split_words
+from ftc10d.train.consistency import (
+    FP_WORDS,
+    exchange_identities,
+    fingerprint48,
+    groups_by_class,
+    groups_of,
+    join_words,
+    split_words,
+)
 from ftc10d.train.ddp import DistributedDataParallel
 from ftc10d.train.recovery import Plan, make_plan, transfer
 from ftc10d.train.state import StateFormatError, fingerprint, state_hash
@@ -94,6 +103,10 @@ Listener = Callable[[str, dict[str, Any]], None]
 _RESERVED = "ftc10d"
 #: The membership fact a Manager records at its first commit (see StateLostError).
 _FACT = "train"
+#: The registered state of an FT-HSDP rank (its local shards, Manager.fsdp).
+_HSDP = "hsdp"
+#: The world group's abort hook that aborts the FT-HSDP groups with it.
+_HSDP_ABORT_HOOK_ID = 0x7FC10E
 
 
 class Manager:
@@ -110,12 +123,21 @@ class Manager:
     """
 
     def __init__(self, pg: Any, member: Member, *, rejoin_if_fenced: bool = True,
-                 sync_timeout: float = 300.0, vote: str = "fused", check_every: int = 100) -> None:
+                 sync_timeout: float = 300.0, vote: str = "fused", check_every: int = 100,
+                 hsdp: Any = None) -> None:
         if vote not in ("fused", "separate"):
             raise InvalidOptionError(f"vote={vote!r}: choose 'fused' (with the gradients) or 'separate'")
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
             raise InvalidOptionError(f"check_every={check_every!r}: a number of steps >= 0 (0: compare the replicas' "
                                      "fingerprints only at configuration changes)")
+        #: FT-HSDP (``ftc10d.train.fsdp.HSDPGroups``), or None for DDP / replicated training.
+        self.hsdp = hsdp
+        if hsdp is not None:
+            from ftc10d.pg.c10d import set_default_group
+
+            set_default_group(pg)  # torch's DeviceMesh reads the default group
+            vote = "separate"  # the fused vote rides on DDP's last bucket; FSDP2 has none
+            pg.register_abort_hook(_HSDP_ABORT_HOOK_ID, hsdp.abort)  # a dead peer's replica-mates stop at once
         self.vote = vote
         self.check_every = check_every
         self.pg = pg
@@ -145,6 +167,8 @@ class Manager:
         self._fused: Optional[tuple[bool, int, Optional[list[int]]]] = None
         self._vetoed: Optional[str] = None
         self._committed_marked = False
+        #: FT-HSDP: a state received before Manager.fsdp() registered the model (a replacement).
+        self._pending_state: Optional[dict[str, Any]] = None
         #: True while this rank's vote all-reduce is being issued (fault-injection tests use it).
         self.in_vote = False
         #: Fault injection (tests, chaos): called on this rank once its vote's collective completed,
@@ -177,7 +201,7 @@ class Manager:
         self._states[name] = (state_dict, load_state_dict, obj)
 
     def registered(self, obj: Any) -> bool:
-        return any(o is obj for _, _, o in self._states.values())
+        return any(o is obj or (isinstance(o, tuple) and any(x is obj for x in o)) for _, _, o in self._states.values())
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a joiner receives: the registered states and the committed step."""
@@ -187,6 +211,11 @@ class Manager:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.hsdp is not None and not self.registered_fsdp and _HSDP in state:
+            self._pending_state = state  # a replacement before Manager.fsdp(): applied there
+            self.step = int(state[_RESERVED]["step"])
+            self.commit_epoch = int(state[_RESERVED].get("epoch", 0))
+            return
         missing = [n for n in [_RESERVED, *self._states] if n not in state]
         extra = [n for n in state if n != _RESERVED and n not in self._states]
         if missing or extra:
@@ -231,6 +260,60 @@ class Manager:
                 fn(kind, info)
             except Exception:
                 logger.exception("manager listener failed on %s", kind)
+
+    # ---------------------------------------------------------------- FT-HSDP
+
+    @property
+    def registered_fsdp(self) -> bool:
+        return _HSDP in self._states
+
+    def device_mesh(self) -> Any:
+        """FT-HSDP: the 1-D ``DeviceMesh`` of this rank's shard group, for
+        ``fully_shard(module, mesh=...)``. Waits for a configuration in which this rank's
+        replica is complete (and recovers there, see :func:`ftc10d.train.fsdp.recover_shards`).
+        Then build the model, shard it, and call :meth:`fsdp`."""
+        if self.hsdp is None:
+            raise InvalidOptionError("device_mesh() needs a Manager created with hsdp=HSDPGroups(...)")
+        if self._exchanged_uuid is None or self._exchanged_uuid != self.pg.uuid:
+            self._recover()
+        return self.hsdp.mesh
+
+    def fsdp(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """FT-HSDP: register the FSDP2-sharded ``model`` and its ``optimizer`` as this rank's
+        state (their local shards: what a rank of the same shard index sends a replacement),
+        and route each FSDP module's cross-replica all-reduce through the replicate group."""
+        from ftc10d.train.fsdp import load_local_state, local_state
+
+        if self.hsdp is None:
+            raise InvalidOptionError("fsdp() needs a Manager created with hsdp=HSDPGroups(...)")
+        hook = self.hsdp.all_reduce_hook(self._hook_failed)
+        sharded = [m for m in model.modules() if callable(getattr(m, "set_all_reduce_hook", None))]
+        if not sharded:
+            raise InvalidOptionError("fsdp(): no module of the model was sharded: call torch's fully_shard(module, "
+                                     "mesh=manager.device_mesh()) on it first")
+        for m in sharded:
+            m.set_all_reduce_hook(hook)
+        self._states[_HSDP] = (lambda: local_state(model, optimizer),
+                               lambda st: load_local_state(model, optimizer, st), (model, optimizer))
+        pending, self._pending_state = self._pending_state, None
+        if pending is not None:
+            self.load_state_dict(pending)
+
+    def _hook_failed(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+
+    @contextlib.contextmanager
+    def collectives(self) -> Iterator[None]:
+        """Wrap a step's forward and backward: a failed collective inside (FSDP2's all-gather
+        or reduce-scatter on a group that lost a peer) fails the step (it will not commit)
+        instead of raising out of the training loop; anything else is raised."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - decided by note_failure
+            if not self.note_failure(exc):
+                raise
+            logger.info("manager: step %d failed in a collective: %s", self.step, exc)
 
     # ---------------------------------------------------------------- DDP
 
@@ -337,7 +420,8 @@ class Manager:
 
     def note_failure(self, exc: BaseException) -> bool:
         """Record a failure of this step's communication; False if it was not one (re-raise it)."""
-        if isinstance(exc, CollectiveError) or self.pg.get_error() != ErrorType.SUCCESS:
+        if (isinstance(exc, CollectiveError) or self.pg.get_error() != ErrorType.SUCCESS
+                or (self.hsdp is not None and self.hsdp.failed())):
             if self._error is None:
                 self._error = exc
             return True
@@ -392,15 +476,16 @@ class Manager:
             return True
         cur = self.member._current
         check = self._check
+        group = self.pg if self.hsdp is None else self.hsdp.participants  # FT-HSDP: the replicas that train
         # (failed, epoch) and, when this step compares the replicas, one fingerprint slot per rank (MAX of 0s
         # and the one value written).
-        vote = torch.zeros(2 + (self.pg.size() if check is not None else 0), dtype=torch.int64)
+        vote = torch.zeros(2 + (group.size() if check is not None else 0), dtype=torch.int64)
         vote[0], vote[1] = failed, cur.epoch if cur is not None else 0
         if check is not None:
-            vote[2 + self.pg.rank()] = join_words(check)
+            vote[2 + group.rank()] = join_words(check)
         self.in_vote = True
         try:
-            self.pg.allreduce([vote], self._vote_opts).wait()
+            group.allreduce([vote], self._vote_opts).wait()
             if self.after_vote is not None:
                 self.after_vote()
         except CollectiveError as exc:
@@ -410,7 +495,13 @@ class Manager:
             self.in_vote = False
         self._target_epoch = int(vote[1])
         if check is not None:
-            self._compare([int(v) for v in vote[2:].tolist()], "in the commit vote")
+            fps = [int(v) for v in vote[2:].tolist()]
+            # participants are ordered by (replica, shard index): position p holds shard index p % S
+            if self.hsdp is None:
+                self._compare(fps, "in the commit vote")
+            else:
+                self._compare(fps, "in the commit vote", [p % self.hsdp.layout.shard_size for p in range(len(fps))],
+                              self.hsdp.placement.participants)
         if int(vote[0]):
             return self._abort_step(str(self._error) if self._error is not None
                                     else f"a participant voted against committing ({self._vetoed or 'not this one'})")
@@ -426,12 +517,18 @@ class Manager:
     def _fingerprint48(self) -> int:
         return fingerprint48(self.fingerprint())
 
-    def _compare(self, fps: list[int], where: str) -> None:
+    def _compare(self, fps: list[int], where: str, classes: Optional[list[int]] = None,
+                 ranks: Optional[list[int]] = None) -> None:
         """Raise :class:`ReplicaDivergenceError` on every rank if the replicas' fingerprints
-        (one per rank, all ranks see the same list) differ (:mod:`ftc10d.train.consistency`)."""
-        groups, odd = groups_of(fps)
+        (one per rank, all ranks see the same list) differ (:mod:`ftc10d.train.consistency`);
+        with ``classes`` (FT-HSDP: each rank's shard index), only ranks of one class are compared;
+        ``ranks``: the group rank of each entry (default: its position)."""
+        groups, odd = groups_of(fps) if classes is None else groups_by_class(fps, classes)
         if not odd:
             return
+        if ranks is not None:
+            groups = {k: [ranks[i] for i in v] for k, v in groups.items()}
+            odd = [ranks[i] for i in odd]
         cur = self.member._current
         ids = list(cur.members) if cur is not None and cur.epoch == self._cfg_epoch else []
         members = [ids[r] if r < len(ids) else "?" for r in odd]
@@ -478,6 +575,13 @@ class Manager:
                     self.member.wait_next(self._target_epoch - 1, timeout=left)
                 cfg = self.member.sync(self.pg, timeout=left)
                 self._cfg_epoch = cfg.epoch
+                if self.hsdp is not None:
+                    from ftc10d.train.fsdp import recover_shards
+
+                    if not recover_shards(self, cfg, deadline):
+                        continue  # this rank's replica is incomplete: it waited for the next configuration
+                    self._finish_recovery(cfg, t0)
+                    return
                 plan = make_plan(self.pg, self.step, self._synced, self.commit_epoch)
                 held = plan.step if any(plan.synced) else -1
                 job_step, closed_step = self._job_progress()
@@ -495,13 +599,16 @@ class Manager:
             except CollectiveError as exc:
                 logger.warning("manager: recovery interrupted (%s); waiting for the next configuration", exc)
                 continue
-            self._exchanged_uuid = self.pg.uuid
-            self._target_epoch = max(self._target_epoch, cfg.epoch)
-            for wrapper in self._ddps:
-                wrapper.rebuild()
-            self._emit("reconfigured", epoch=cfg.epoch, uuid=cfg.uuid, rank=self.rank, world_size=self.world_size,
-                       seconds=time.perf_counter() - t0)
+            self._finish_recovery(cfg, t0)
             return
+
+    def _finish_recovery(self, cfg: Any, t0: float) -> None:
+        self._exchanged_uuid = self.pg.uuid
+        self._target_epoch = max(self._target_epoch, cfg.epoch)
+        for wrapper in self._ddps:
+            wrapper.rebuild()
+        self._emit("reconfigured", epoch=cfg.epoch, uuid=cfg.uuid, rank=self.rank, world_size=self.world_size,
+                   seconds=time.perf_counter() - t0)
 
     def _received(self, plan: Plan, state: Optional[dict[str, Any]], nbytes: int, secs: float) -> None:
         """Adopt the state a transfer brought (if any) and say what moved."""

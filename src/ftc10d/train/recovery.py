@@ -87,13 +87,15 @@ class Plan:
                 if self.synced[r] and self.steps[r] == self.step and self.epochs[r] != self.epoch]
 
 
-def exchange_info(pg: Any, step: int, synced: bool, epoch: int = 0, slot: int = -1) -> list[tuple[int, bool, int, int]]:
-    """One all-reduce: every rank's ``(step, synced, commit epoch, slot)`` (slot: its place
-    on an HSDP mesh, :mod:`ftc10d.train.mesh`; -1 without one)."""
-    info = torch.zeros(pg.size(), 4, dtype=torch.int64)
-    info[pg.rank()] = torch.tensor([step, int(synced), epoch, slot], dtype=torch.int64)
+def exchange_info(pg: Any, step: int, synced: bool, epoch: int = 0, slot: int = -1,
+                  ready: bool = True) -> list[tuple[int, bool, int, int, bool]]:
+    """One all-reduce: every rank's ``(step, synced, commit epoch, slot, ready)`` (slot: its
+    place on an HSDP mesh, :mod:`ftc10d.train.mesh`, -1 without one; ready: it has
+    registered its state, so its fingerprint means something)."""
+    info = torch.zeros(pg.size(), 5, dtype=torch.int64)
+    info[pg.rank()] = torch.tensor([step, int(synced), epoch, slot, int(ready)], dtype=torch.int64)
     pg.allreduce([info]).wait()
-    return [(int(a), bool(b), int(c), int(d)) for a, b, c, d in info.tolist()]
+    return [(int(a), bool(b), int(c), int(d), bool(e)) for a, b, c, d, e in info.tolist()]
 
 
 def plan_among(ranks: Sequence[int], steps: Sequence[int], flags: Sequence[bool], epochs: Sequence[int],
@@ -202,7 +204,7 @@ def transfer(pg: Any, plan: Plan, get_state: Callable[[], Any],
     return unpack(skeleton, buffer, into), int(skel.numel()) + total, time.perf_counter() - t0
 
 
-def shard_plans(placement: "Placement", rows: Sequence[tuple[int, bool, int, int]]) -> dict[int, Plan]:
+def shard_plans(placement: "Placement", rows: Sequence[tuple[Any, ...]]) -> dict[int, Plan]:
     """FT-HSDP recovery (issue 16): per shard index, who sends that shard's state to whom.
 
     ``rows`` are :func:`exchange_info`'s, ``placement`` the configuration's
