@@ -380,3 +380,35 @@ def test_retiring_a_generation_whose_gloo_threads_are_stuck_does_not_block_the_r
         job.close()
     assert all(res["stuck_completed"]), res
     assert max(res["reconfigure_s"]) < OP_TIMEOUT_S / 4, res
+
+
+def _reduce_scatter_then_abort(rank: int, world: int, port: int) -> dict:
+    store = harness.client_store(port)
+    pg = ftc10d.ProcessGroup(store, rank, world, timeout=T)
+    out = torch.zeros(4)
+    for _ in range(100):  # a training run's worth: none of them may stay tracked as running
+        dist.reduce_scatter_tensor(out, torch.ones(4 * world), group=pg)
+        w = pg.reduce_scatter([torch.zeros(4)], [[torch.ones(4)] * world])
+        w.wait()
+    reduced = float(out[0])
+    gen = pg.generation
+    tracked, pending = len(gen._pending), gen.has_pending()
+    out.fill_(42.0)  # the caller reuses the output (FSDP2 writes the averaged gradient there)
+    w.wait()  # a second wait is a no-op, as on every other op
+    harness.store_barrier(store, "waited", rank, world)
+    pg.abort()
+    return {"reduced": reduced, "tracked": tracked, "pending": pending, "after": float(out[0]),
+            "completed": w.is_completed()}
+
+
+def test_a_waited_reduce_scatter_is_complete_and_neither_a_second_wait_nor_the_abort_writes_again() -> None:
+    """Gloo's reduce-scatter works (CPU) copy their result into the output in wait(), on every
+    call, and never report is_completed(): tracked as running for ever (every step's tensors
+    kept), and the abort's drain, waiting them, wrote the stale reduce-scatter result over what
+    the caller had written since (FSDP2's averaged gradients: a rank that rolled its step forward
+    after an abort applied unaveraged gradients)."""
+    res = harness.run(_reduce_scatter_then_abort, 2)
+    for r in res.values():
+        assert r["reduced"] == 2.0, r
+        assert r["tracked"] <= 2 and not r["pending"] and r["completed"], r
+        assert r["after"] == 42.0, r

@@ -34,7 +34,7 @@ from ftc10d._compat import work_exception
 from ftc10d.pg.gloo import GlooCommunicator
 from ftc10d.pg.handles import Plan
 from ftc10d.pg.observer import OpRecord
-from ftc10d.pg.work import P2P_OPS, backend_timeout
+from ftc10d.pg.work import P2P_OPS, WAIT_COMPLETES_OPS, backend_done, backend_timeout
 from ftc10d.types import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -125,13 +125,13 @@ class Generation:
         noticed here is reported to the op's record."""
         pending = self._pending
         # Completed works hold their tensors: let them go as soon as possible.
-        while pending and pending[0][0].is_completed():
+        while pending and backend_done(pending[0][0], pending[0][2]):
             _settle(*pending.popleft()[:2])
         pending.append((inner, entry, work))
         if len(pending) > 64:  # a long-running op at the front blocks front pruning
             keep: deque[tuple[Any, Optional[OpRecord], Any]] = deque()
             for item in pending:
-                if item[0].is_completed():
+                if backend_done(item[0], item[2]):
                     _settle(*item[:2])
                 else:
                     keep.append(item)
@@ -139,12 +139,12 @@ class Generation:
 
     def has_pending(self) -> bool:
         """Whether any op of this generation is still running."""
-        return any(not inner.is_completed() for inner, _, _ in list(self._pending))
+        return any(not backend_done(inner, work) for inner, _, work in list(self._pending))
 
     def poll(self) -> None:
         """Report completions of pending works to their records (for a dump)."""
-        for inner, entry, _ in list(self._pending):
-            if entry is not None and not entry.settled and inner.is_completed():
+        for inner, entry, work in list(self._pending):
+            if entry is not None and not entry.settled and backend_done(inner, work):
                 _settle(inner, entry)
 
     def wait_aborted(self) -> None:
@@ -316,13 +316,15 @@ class Generation:
         abandoned = 0
         while self._pending:
             inner, entry, work = self._pending.popleft()
-            if inner.is_completed():
+            if backend_done(inner, work):
                 # Done: it can write nothing more. And Gloo's send/recv works must not be waited
                 # twice: a second wait() blocks until the op's timeout (found by the chaos guards).
                 _settle(inner, entry)
                 continue
             left = deadline - time.monotonic()
-            if work is not None and work.op in P2P_OPS:
+            if work is not None and work.op in WAIT_COMPLETES_OPS:
+                finished = False  # a wait here would write into the caller's output: abandoned unwaited
+            elif work is not None and work.op in P2P_OPS:
                 # Through the Work's one backend wait: a second Gloo wait on a send/recv that
                 # completed meanwhile would block until the op's timeout.
                 finished = work.p2p_backend_wait().wait(max(left, 0.0))

@@ -39,7 +39,7 @@ from ftc10d.pg.generation import (
 )
 from ftc10d.pg.hooks import HookRegistry
 from ftc10d.pg.observer import GROUP_CREATED, OpObserver
-from ftc10d.pg.work import CompletedWork, MultiWork, Work
+from ftc10d.pg.work import CompletedWork, MultiWork, SwallowedWork, Work
 from ftc10d.types import (
     CollectiveError,
     CollectiveMismatchError,
@@ -151,6 +151,8 @@ class ProcessGroup(dist.ProcessGroup):
         self._group_id = next(_group_ids)
         self._on_reconfigure: list[Callable[["ProcessGroup"], None]] = []
         self._on_error: list[Callable[[CollectiveError], None]] = []
+        #: Where a communication failure goes instead of being raised (swallow_errors).
+        self._error_sink: Optional[Callable[[BaseException], None]] = None
         #: Sees every op at issue time (the flight recorder); see ftc10d.pg.observer.
         self._observer: Optional[OpObserver] = None
         from ftc10d.pg import c10d  # late: c10d imports this module
@@ -415,6 +417,20 @@ class ProcessGroup(dist.ProcessGroup):
         run on a backend thread: keep it short and non-blocking."""
         self._on_error.append(fn)
 
+    def swallow_errors(self, report: Optional[Callable[[BaseException], None]]) -> None:
+        """From now on, hand every communication failure of an op (issued on a failed or
+        aborted configuration, or failing in ``wait()`` / its future) to ``report`` instead
+        of raising it, and complete the op with its outputs as they are; ``None`` turns it
+        off. Bad arguments still raise.
+
+        For callers that must not be interrupted half-way, like FSDP2's forward and
+        backward: they run to the end on meaningless values and the step is discarded by
+        whoever got the report (FT-HSDP's shard group reports to the Manager, whose vote
+        then does not commit). torchft's ``ErrorSwallowingProcessGroupWrapper`` does the
+        same; here it is a mode of the group itself, so that the group object, its
+        DeviceMesh and everything that holds it stay the same."""
+        self._error_sink = report
+
     def _notify_error(self, err: CollectiveError) -> None:
         for fn in list(self._on_error):
             try:
@@ -424,7 +440,20 @@ class ProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------ issue path
 
-    def _issue(
+    def _issue(self, hook_name: Any, op: str, inputs: Tensors, outputs: Tensors, root: int, async_op: bool,
+               call: Callable[[Any], Any], result: Any, p2p: bool = False, opts: Any = None,
+               validate: Optional[Callable[[int], None]] = None) -> dist.Work:
+        sink = self._error_sink
+        if sink is None:
+            return self._issue_op(hook_name, op, inputs, outputs, root, async_op, call, result, p2p, opts, validate)
+        try:
+            work = self._issue_op(hook_name, op, inputs, outputs, root, async_op, call, result, p2p, opts, validate)
+        except CollectiveError as exc:  # a failed or aborted configuration: no op was issued
+            sink(exc)
+            return CompletedWork(result)
+        return SwallowedWork(work, sink, result)
+
+    def _issue_op(
         self,
         hook_name: Any,
         op: str,
@@ -504,42 +533,42 @@ class ProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------ collectives
 
-    def allreduce(self, tensors: Any, opts: Any = None) -> Work:
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
         tensors = _as_list(tensors)
         o = _opts(_c10d.AllreduceOptions, opts)
         return self._issue(HookOpName.ALLREDUCE, "all_reduce", tensors, tensors, -1, o.asyncOp,
                            lambda b: b.allreduce(tensors, o), tensors, opts=o)
 
-    def allreduce_coalesced(self, tensors: Tensors, opts: Any = None) -> Work:
+    def allreduce_coalesced(self, tensors: Tensors, opts: Any = None) -> dist.Work:
         o = _opts(_c10d.AllreduceCoalescedOptions, opts)
         return self._issue(HookOpName.ALLREDUCE, "all_reduce_coalesced", tensors, tensors, -1, o.asyncOp,
                            lambda b: b.allreduce_coalesced(tensors, o), tensors, opts=o)
 
-    def broadcast(self, tensors: Any, opts: Any = None) -> Work:
+    def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:
         tensors = _as_list(tensors)
         o = _opts(_c10d.BroadcastOptions, opts)
         return self._issue(HookOpName.BROADCAST, "broadcast", tensors, tensors, o.rootRank, o.asyncOp,
                            lambda b: b.broadcast(tensors, o), tensors)
 
-    def reduce(self, tensors: Any, opts: Any = None) -> Work:
+    def reduce(self, tensors: Any, opts: Any = None) -> dist.Work:
         tensors = _as_list(tensors)
         o = _opts(_c10d.ReduceOptions, opts)
         return self._issue(HookOpName.REDUCE, "reduce", tensors, tensors, o.rootRank, o.asyncOp,
                            lambda b: b.reduce(tensors, o), tensors, opts=o)
 
-    def allgather(self, output_tensors: list[Tensors], input_tensors: Tensors, opts: Any = None) -> Work:
+    def allgather(self, output_tensors: list[Tensors], input_tensors: Tensors, opts: Any = None) -> dist.Work:
         o = _opts(_c10d.AllgatherOptions, opts)
         flat_out = [t for ts in output_tensors for t in ts]
         return self._issue(HookOpName.ALLGATHER, "all_gather", input_tensors, flat_out, -1, o.asyncOp,
                            lambda b: b.allgather(output_tensors, input_tensors, o), output_tensors)
 
-    def allgather_coalesced(self, output_lists: list[Tensors], input_list: Tensors, opts: Any = None) -> Work:
+    def allgather_coalesced(self, output_lists: list[Tensors], input_list: Tensors, opts: Any = None) -> dist.Work:
         o = _opts(_c10d.AllgatherOptions, opts)
         flat_out = [t for ts in output_lists for t in ts]
         return self._issue(HookOpName.ALLGATHER, "all_gather_coalesced", input_list, flat_out, -1, o.asyncOp,
                            lambda b: b.allgather_coalesced(output_lists, input_list, o), output_lists)
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         o = _opts(_c10d.AllgatherOptions, opts)
         return self._issue(HookOpName.ALLGATHER, "all_gather_into_tensor", [input], [output], -1, o.asyncOp,
                            lambda b: b._allgather_base(output, input, o), [output])
@@ -552,32 +581,32 @@ class ProcessGroup(dist.ProcessGroup):
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def gather(self, output_tensors: list[Tensors], input_tensors: Tensors, opts: Any = None) -> Work:
+    def gather(self, output_tensors: list[Tensors], input_tensors: Tensors, opts: Any = None) -> dist.Work:
         o = _opts(_c10d.GatherOptions, opts)
         flat_out = [t for ts in output_tensors for t in ts]
         return self._issue(HookOpName.GATHER, "gather", input_tensors, flat_out, o.rootRank, o.asyncOp,
                            lambda b: b.gather(output_tensors, input_tensors, o), output_tensors)
 
-    def gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
+    def gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         o = _opts(_c10d.GatherOptions, opts)
         outs = [list(output.chunk(self.size(), 0))] if self.rank() == o.rootRank else []
         return self._issue(HookOpName.GATHER, "gather_into_tensor", [input], [output], o.rootRank, o.asyncOp,
                            lambda b: b.gather(outs, [input], o), [output])
 
-    def scatter(self, output_tensors: Tensors, input_tensors: list[Tensors], opts: Any = None) -> Work:
+    def scatter(self, output_tensors: Tensors, input_tensors: list[Tensors], opts: Any = None) -> dist.Work:
         o = _opts(_c10d.ScatterOptions, opts)
         flat_in = [t for ts in input_tensors for t in ts]
         return self._issue(HookOpName.SCATTER, "scatter", flat_in, output_tensors, o.rootRank, o.asyncOp,
                            lambda b: b.scatter(output_tensors, input_tensors, o), output_tensors)
 
-    def reduce_scatter(self, output_tensors: Tensors, input_tensors: list[Tensors], opts: Any = None) -> Work:
+    def reduce_scatter(self, output_tensors: Tensors, input_tensors: list[Tensors], opts: Any = None) -> dist.Work:
         o = _opts(_c10d.ReduceScatterOptions, opts)
         flat_in = [t for ts in input_tensors for t in ts]
         return self._issue(HookOpName.REDUCE_SCATTER, "reduce_scatter", flat_in, output_tensors, -1, o.asyncOp,
                            lambda b: b.reduce_scatter(output_tensors, input_tensors, o), output_tensors,
                            opts=o)
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         o = _opts(_c10d.ReduceScatterOptions, opts)
         return self._issue(HookOpName.REDUCE_SCATTER, "reduce_scatter_tensor", [input], [output], -1, o.asyncOp,
                            lambda b: b._reduce_scatter_base(output, input, o), [output], opts=o)
@@ -590,7 +619,7 @@ class ProcessGroup(dist.ProcessGroup):
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    def alltoall(self, output_tensors: Tensors, input_tensors: Tensors, opts: Any = None) -> Work:
+    def alltoall(self, output_tensors: Tensors, input_tensors: Tensors, opts: Any = None) -> dist.Work:
         o = _opts(_c10d.AllToAllOptions, opts)
         return self._issue(HookOpName.ALLTOALL, "all_to_all", input_tensors, output_tensors, -1, o.asyncOp,
                            lambda b: b.alltoall(output_tensors, input_tensors, o), output_tensors)
@@ -602,7 +631,7 @@ class ProcessGroup(dist.ProcessGroup):
         output_split_sizes: Sequence[int],
         input_split_sizes: Sequence[int],
         opts: Any = None,
-    ) -> Work:
+    ) -> dist.Work:
         """Split sizes that cannot fit the tensors raise :class:`InvalidOptionError` here, on
         this rank, as NCCL's do (Gloo would check them on its own thread and fail the op at
         ``wait()``, which reads as a broken configuration and aborts it). The op is then not
@@ -626,25 +655,25 @@ class ProcessGroup(dist.ProcessGroup):
 
     alltoall_base = all_to_all_single
 
-    def barrier(self, opts: Any = None) -> Work:
+    def barrier(self, opts: Any = None) -> dist.Work:
         o = _opts(_c10d.BarrierOptions, opts)
         return self._issue(HookOpName.BARRIER, "barrier", [], [], -1, o.asyncOp, lambda b: b.barrier(o), [])
 
     # ---------------------------------------------------------------- p2p
 
-    def send(self, tensors: Any, dstRank: int, tag: int = 0) -> Work:
+    def send(self, tensors: Any, dstRank: int, tag: int = 0) -> dist.Work:
         tensors = _as_list(tensors)
         self._check_peer(dstRank, "send")
         return self._issue(HookOpName.SEND, "send", tensors, [], dstRank, True,
                            lambda b: b.send(tensors, dstRank, tag), tensors, p2p=True)
 
-    def recv(self, tensors: Any, srcRank: int, tag: int = 0) -> Work:
+    def recv(self, tensors: Any, srcRank: int, tag: int = 0) -> dist.Work:
         tensors = _as_list(tensors)
         self._check_peer(srcRank, "recv")
         return self._issue(HookOpName.RECV, "recv", [], tensors, srcRank, True,
                            lambda b: b.recv(tensors, srcRank, tag), tensors, p2p=True)
 
-    def recv_anysource(self, tensors: Any, tag: int = 0) -> Work:
+    def recv_anysource(self, tensors: Any, tag: int = 0) -> dist.Work:
         tensors = _as_list(tensors)
         return self._issue(HookOpName.RECV, "recv_anysource", [], tensors, -1, True,
                            lambda b: b.recv_anysource(tensors, tag), tensors, p2p=True)

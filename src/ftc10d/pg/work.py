@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,8 +37,20 @@ if TYPE_CHECKING:
 #: backend wait on a completed one blocks until its timeout, so they are waited once
 #: (``Work.p2p_backend_wait``).
 P2P_OPS = frozenset({"send", "recv", "recv_anysource"})
+#: Gloo's reduce-scatter works (both forms, CPU): the result is copied into the output by
+#: ``wait()`` itself, on every call, and the work never reports ``is_completed()`` nor has a
+#: future (measured on torch 2.11-2.15). So such an op counts as completed once a wait returned,
+#: is waited in the backend only once (a second wait would copy the result again, over whatever
+#: the caller wrote there since: FSDP2 writes the averaged gradient into that very buffer), and
+#: an abort never waits one (``Generation._drain``).
+WAIT_COMPLETES_OPS = frozenset({"reduce_scatter", "reduce_scatter_tensor"})
 #: How often a collective's untimed wait() looks whether an abort abandoned its op.
 _WAIT_SLICE = timedelta(seconds=0.05)
+
+
+def backend_done(inner: Any, work: Optional["Work"]) -> bool:
+    """Whether the backend's ``inner`` work (under ftc10d's ``work``) can write nothing more."""
+    return bool(inner.is_completed()) or (work is not None and work.waited)
 
 
 def backend_timeout(timeout: timedelta) -> timedelta:
@@ -71,6 +83,8 @@ class Work(dist.Work):
         self._p2p_finished: Optional[threading.Event] = None
         self._p2p_outcome: Optional[BaseException] = None
         self._wake: Optional[threading.Event] = None
+        #: A backend wait returned successfully (what completes a WAIT_COMPLETES_OPS op).
+        self.waited = False
 
     # -- introspection used by hooks and the flight recorder
     @property
@@ -95,6 +109,8 @@ class Work(dist.Work):
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         if self._error is not None:
             raise self._error
+        if self.waited and self._op in WAIT_COMPLETES_OPS:
+            return True  # its one backend wait delivered the result (see WAIT_COMPLETES_OPS)
         untimed = timeout is None or timeout == timedelta(0)
         try:
             if untimed and self._op in P2P_OPS:
@@ -129,6 +145,7 @@ class Work(dist.Work):
             raise
         except Exception as exc:  # the backend raises RuntimeError/DistBackendError
             raise self._translate(exc, abort_inline=True) from exc
+        self.waited = True
         if self._entry is not None:
             self._entry.complete()
         return True
@@ -247,7 +264,7 @@ class Work(dist.Work):
             wake.set()
 
     def is_completed(self) -> bool:
-        return self._fut_set or bool(self._inner.is_completed())
+        return self._fut_set or self.waited or bool(self._inner.is_completed())
 
     def is_success(self) -> bool:
         return self._error is None and bool(self._inner.is_success())
@@ -305,7 +322,7 @@ class CompletedWork(dist.Work):
 class MultiWork(dist.Work):
     """Several backend works issued as one op (coalesced ops Gloo lacks natively)."""
 
-    def __init__(self, works: list[Work], result: Any) -> None:
+    def __init__(self, works: list[dist.Work], result: Any) -> None:
         super().__init__()
         self._works = works
         self._result = result
@@ -341,3 +358,63 @@ class MultiWork(dist.Work):
 
     def result(self) -> Any:
         return self._result
+
+
+class SwallowedWork(dist.Work):
+    """An op of a group that swallows errors (:meth:`ProcessGroup.swallow_errors`): a
+    communication failure is handed to ``report`` and the op completes normally, its
+    outputs as they are (meaningless: the caller's step must not commit).
+
+    Why: a caller that cannot be interrupted half-way without corrupting its own state
+    (FSDP2's backward: an exception out of its reduce-scatter leaves its per-module
+    state machine half-way, and its next backward issues no reduce-scatter at all) gets
+    ops that always complete; the step is then discarded by whoever received the report.
+    ``wait()`` with a timeout still raises a plain timeout: that is not a failure of the op.
+    """
+
+    def __init__(self, work: dist.Work, report: Callable[[BaseException], None], result: Any) -> None:
+        super().__init__()
+        self._work = work
+        self._report = report
+        self._result = result
+        self._swallowed: Optional[BaseException] = None
+
+    def _swallow(self, exc: BaseException) -> Any:
+        if self._swallowed is None:
+            self._swallowed = exc
+            self._report(exc)
+        return self._result
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        try:
+            self._work.wait(timeout)
+        except CollectiveError as exc:
+            self._swallow(exc)
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        def done(fut: torch.futures.Future) -> Any:
+            try:
+                return fut.value()
+            except Exception as exc:  # torch's then() turns our typed errors into RuntimeError
+                return self._swallow(exc)
+
+        return self._work.get_future().then(done)
+
+    def is_completed(self) -> bool:
+        return self._swallowed is not None or bool(self._work.is_completed())
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> Optional[BaseException]:
+        return None
+
+    def result(self) -> Any:
+        return self._result
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def __repr__(self) -> str:
+        return f"ftc10d.SwallowedWork({self._work!r})"

@@ -250,6 +250,9 @@ def recover_shards(manager: Any, cfg: Any, deadline: float) -> bool:
     ready = manager.registered_fsdp
     rows = exchange_info(pg, manager.step, manager._synced, manager.commit_epoch, groups.slot, ready)
     placement = groups.layout.placement([r[3] for r in rows])
+    if _one_step_behind(placement, rows):
+        manager._roll_forward_to(*_target(placement, rows))
+        rows = exchange_info(pg, manager.step, manager._synced, manager.commit_epoch, groups.slot, ready)
     held = max((r[0] for r in rows if r[1]), default=-1)
     job_step, closed_step = manager._job_progress()
     if held < job_step:
@@ -276,3 +279,19 @@ def recover_shards(manager: Any, cfg: Any, deadline: float) -> bool:
         manager.member.wait_next(cfg.epoch, timeout=max(deadline - time.monotonic(), 0.001))
         return False
     return True
+
+
+def _target(placement: Placement, rows: list[tuple[int, bool, int, int, bool]]) -> tuple[int, int]:
+    """The job's state here: the greatest ``(commit epoch, step)`` of a synchronized, placed rank."""
+    return max((r[2], r[0]) for i, r in enumerate(rows) if r[1] and placement.coords(i) is not None)
+
+
+def _one_step_behind(placement: Placement, rows: list[tuple[int, bool, int, int, bool]]) -> bool:
+    """Whether some synchronized rank is one step behind the job's state: it may hold that
+    step's reduced gradients and roll forward (``Manager._roll_forward_to``). Every rank
+    computes the same answer from the same rows, so all or none exchange again."""
+    placed = [r for i, r in enumerate(rows) if r[1] and placement.coords(i) is not None]
+    if not placed:
+        return False
+    step = _target(placement, rows)[1]
+    return any(r[0] == step - 1 for r in placed)

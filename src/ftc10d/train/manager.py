@@ -138,6 +138,9 @@ class Manager:
             set_default_group(pg)  # torch's DeviceMesh reads the default group
             vote = "separate"  # the fused vote rides on DDP's last bucket; FSDP2 has none
             pg.register_abort_hook(_HSDP_ABORT_HOOK_ID, hsdp.abort)  # a dead peer's replica-mates stop at once
+            # FSDP2's forward and backward must run to their end (an exception half-way leaves its
+            # state machine half-way): the shard group's failures are reported here, not raised.
+            hsdp.shard.swallow_errors(self._hook_failed)
         self.vote = vote
         self.check_every = check_every
         self.pg = pg
@@ -169,6 +172,11 @@ class Manager:
         self._committed_marked = False
         #: FT-HSDP: a state received before Manager.fsdp() registered the model (a replacement).
         self._pending_state: Optional[dict[str, Any]] = None
+        #: FT-HSDP: the optimizer registered by fsdp(), which a roll forward steps.
+        self._fsdp_optimizer: Optional[torch.optim.Optimizer] = None
+        #: FT-HSDP: ``(epoch of the configuration, step)`` of a step this rank computed without
+        #: any failure and voted for, whose vote then failed here: see _roll_forward_to.
+        self._voted_yes: Optional[tuple[int, int]] = None
         #: True while this rank's vote all-reduce is being issued (fault-injection tests use it).
         self.in_vote = False
         #: Fault injection (tests, chaos): called on this rank once its vote's collective completed,
@@ -211,6 +219,7 @@ class Manager:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._voted_yes = None
         if self.hsdp is not None and not self.registered_fsdp and _HSDP in state:
             self._pending_state = state  # a replacement before Manager.fsdp(): applied there
             self.step = int(state[_RESERVED]["step"])
@@ -293,6 +302,7 @@ class Manager:
                                      "mesh=manager.device_mesh()) on it first")
         for m in sharded:
             m.set_all_reduce_hook(hook)
+        self._fsdp_optimizer = optimizer
         self._states[_HSDP] = (lambda: local_state(model, optimizer),
                                lambda st: load_local_state(model, optimizer, st), (model, optimizer))
         pending, self._pending_state = self._pending_state, None
@@ -454,7 +464,9 @@ class Manager:
         then applied here too (invariant 1 first), with a warning."""
         if not ok and self._vetoed is None:
             self._vetoed = "should_commit(ok=False)"
-        if self._error is not None or self.pg.get_error() != ErrorType.SUCCESS:
+        self._voted_yes = None
+        if (self._error is not None or self.pg.get_error() != ErrorType.SUCCESS
+                or (self.hsdp is not None and self.hsdp.failed())):
             # This rank's communication failed: it issues nothing more on this configuration (an
             # op the others did not issue would pair with their next one) and aborts it, so that
             # whoever still waits in it fails now. The others decide alike or, if their vote
@@ -490,6 +502,8 @@ class Manager:
                 self.after_vote()
         except CollectiveError as exc:
             self._error = exc
+            if self.hsdp is not None and not failed:
+                self._voted_yes = (self._cfg_epoch, self.step)
             return self._abort_step(f"the vote failed: {exc}")
         finally:
             self.in_vote = False
@@ -506,6 +520,36 @@ class Manager:
             return self._abort_step(str(self._error) if self._error is not None
                                     else f"a participant voted against committing ({self._vetoed or 'not this one'})")
         self._commit()
+        return True
+
+    def _roll_forward_to(self, epoch: int, step: int) -> bool:
+        """FT-HSDP: apply, at recovery, the step whose vote failed on this rank but completed
+        on others; True if it did.
+
+        Why it is sound: a vote all-reduce completes only with every participant's
+        contribution, and a participant contributes only after every collective of its step
+        completed without failure and with a yes (a rank that failed or vetoed sends nothing,
+        or a no). So if any rank committed step ``s`` of configuration ``e``, every
+        participant of ``e`` holds step ``s``'s fully reduced gradients, bitwise the ones the
+        committers applied, and this rank's optimizer stepping with them reaches the
+        committers' state. Why it is needed: FSDP2 gives a shard index no spare copy, so
+        when every holder of shard ``i`` missed the vote and a holder of shard ``j`` applied
+        it, a transfer could bring nobody to one step of the job (``StateLostError``), and
+        rolling the others back would need the previous state kept on every rank. The
+        gradients stay until ``ManagedOptimizer.zero_grad()``, which recovers first."""
+        if self._voted_yes != (epoch, step - 1) or self.step != step - 1 or self._fsdp_optimizer is None:
+            return False
+        params = [p for g in self._fsdp_optimizer.param_groups for p in g["params"]]
+        if any(p.grad is None for p in params if p.requires_grad):
+            logger.warning("manager: step %d was committed by others but this rank's gradients are gone (zeroed "
+                           "before ManagedOptimizer.zero_grad()?): it cannot roll forward", self.step)
+            return False
+        self._fsdp_optimizer.step()
+        self._voted_yes = None
+        self.step, self.commit_epoch = step, epoch
+        logger.info("manager: rolled forward to step %d of epoch %d (its vote failed here, completed elsewhere)",
+                    step, epoch)
+        self._emit("rolled_forward", step=step, epoch=epoch)
         return True
 
     def _commit(self) -> None:
