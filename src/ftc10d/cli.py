@@ -51,7 +51,10 @@ def subcommand(name: str, help: str, *args: _Arg) -> Callable[[Handler], Handler
     "train a small model on 4 workers through ftc10d while ranks are killed, frozen and replaced; live view",
     arg("--out", default="demo-out", metavar="DIR",
         help="where report.json, timeline.png and the event files go (default: demo-out)"),
-    arg("--world-size", type=int, default=4, metavar="N", help="number of workers (default: 4)"),
+    arg("--world-size", type=int, default=None, metavar="N", help="number of workers (default: 4, or R*S with --mesh)"),
+    arg("--mesh", default=None, metavar="RxS",
+        help="FT-HSDP: R replicas of S ranks each, FSDP2 sharding inside each replica, the replicas fault tolerant "
+             "(e.g. 2x2); default: DDP"),
     arg("--steps", type=int, default=300, metavar="N", help="training steps (default: 300)"),
     arg("--faults", default="kill:1@40,freeze:2@120:2.5", metavar="SCHEDULE",
         help="KIND:SLOT@STEP[:SECONDS], comma-separated; kinds: kill (SIGKILL; a warm spare replaces it), "
@@ -73,6 +76,22 @@ def demo(args: argparse.Namespace) -> int:
     write report.json and timeline.png into --out. Exits 0 only if the job completed,
     every live replica ended bitwise-identical and the job's longest pause between two
     commits stayed within --max-pause."""
+    mesh = None
+    if args.mesh is not None:
+        from ftc10d.demo.faults import parse_mesh
+
+        try:
+            mesh = parse_mesh(args.mesh)
+        except argparse.ArgumentTypeError as exc:
+            args.parser.error(str(exc))
+        if mesh[0] < 2:
+            args.parser.error(f"--mesh {args.mesh}: at least 2 replicas (with one, any death loses a shard)")
+        if args.world_size is not None and args.world_size != mesh[0] * mesh[1]:
+            args.parser.error(f"--world-size {args.world_size} does not match --mesh {args.mesh} "
+                              f"({mesh[0] * mesh[1]} workers); drop --world-size")
+        args.world_size = mesh[0] * mesh[1]
+    elif args.world_size is None:
+        args.world_size = 4
     if args.world_size < 2:
         args.parser.error("--world-size must be at least 2")
     if args.steps < 2:
@@ -93,7 +112,7 @@ def demo(args: argparse.Namespace) -> int:
 
     return driver.main(out=args.out, world_size=args.world_size, steps=args.steps, faults=args.faults,
                        heartbeat_timeout=args.heartbeat_timeout, live=args.live, spares=args.spares,
-                       timeout=args.timeout, max_pause=args.max_pause)
+                       timeout=args.timeout, max_pause=args.max_pause, mesh=mesh)
 
 
 @subcommand(

@@ -38,6 +38,8 @@ class DemoConfig:
     extra_args: list[str] = field(default_factory=list)  # more worker.py arguments (bench)
     #: Bound of the job's longest pause between two commits (None: heartbeat timeout + 1 s).
     max_pause: Optional[float] = None
+    #: FT-HSDP: (replicas, ranks per replica); world_size must be their product.
+    mesh: Optional[tuple[int, int]] = None
 
     @property
     def pause_bound(self) -> float:
@@ -209,7 +211,8 @@ def run_demo(cfg: DemoConfig, view: Any, *, quiet: bool = False) -> tuple[int, d
     lc = LaunchConfig(
         script=WORKER,
         script_args=["--out", str(out), "--steps", str(cfg.steps), "--fp-every", str(cfg.fp_every),
-                     "--lr", str(cfg.lr), *cfg.extra_args],
+                     "--lr", str(cfg.lr), *(["--mesh", f"{cfg.mesh[0]}x{cfg.mesh[1]}"] if cfg.mesh else []),
+                     *cfg.extra_args],
         nproc_per_node=cfg.world_size, spares=cfg.spares, max_restarts=max(3, len(cfg.faults) + 1),
         heartbeat_timeout=cfg.heartbeat_timeout, env=env, log_dir=str(out / "logs"),
     )
@@ -308,14 +311,16 @@ def run_demo(cfg: DemoConfig, view: Any, *, quiet: bool = False) -> tuple[int, d
 
 
 def main(*, out: str, world_size: int, steps: int, faults: Optional[str], heartbeat_timeout: float, live: bool,
-         spares: int = 1, timeout: float = 180.0, max_pause: Optional[float] = None) -> int:
+         spares: int = 1, timeout: float = 180.0, max_pause: Optional[float] = None,
+         mesh: Optional[tuple[int, int]] = None) -> int:
     """``ftc10d demo``: parse the schedule (raises FaultScheduleError), run, print the summary."""
     from ftc10d.demo.faults import parse_schedule
     from ftc10d.demo.live import LiveView, PlainView, print_summary
 
     schedule = parse_schedule(faults, world_size=world_size, steps=steps)
     cfg = DemoConfig(Path(out), world_size=world_size, steps=steps, faults=schedule,
-                     heartbeat_timeout=heartbeat_timeout, spares=spares, timeout=timeout, max_pause=max_pause)
+                     heartbeat_timeout=heartbeat_timeout, spares=spares, timeout=timeout, max_pause=max_pause,
+                     mesh=mesh)
     use_rich = live
     if live:
         try:
@@ -325,7 +330,8 @@ def main(*, out: str, world_size: int, steps: int, faults: Optional[str], heartb
             view, use_rich = PlainView(), False
     else:
         view = PlainView()
-    print(f"ftc10d demo: {world_size} workers + {spares} warm spare(s), {steps} steps, faults "
+    what = f"FT-HSDP {mesh[0]}x{mesh[1]} (FSDP2 inside each replica), " if mesh else ""
+    print(f"ftc10d demo: {what}{world_size} workers + {spares} warm spare(s), {steps} steps, faults "
           f"{', '.join(map(str, schedule)) or 'none'}, heartbeat timeout {heartbeat_timeout:g} s, out {out}",
           flush=True)
     code, report = run_demo(cfg, view)

@@ -13,6 +13,7 @@ Each item is ``KIND:SLOT@STEP[:SECONDS]``:
 
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -91,3 +92,12 @@ def parse_schedule(text: Optional[str], *, world_size: int, steps: int) -> list[
             raise FaultScheduleError(f"--faults: every slot is hit at step {f.at_step}; "
                                      "at least one worker must survive each fault")
     return sorted(out, key=lambda f: (f.at_step, f.slot))
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """``--mesh``: ``"2x2"`` -> ``(2, 2)``, replicas x ranks per replica (here, beside the other
+    demo option parser, because the CLI checks it before importing torch)."""
+    r, sep, sh = text.lower().partition("x")
+    if not sep or not r.isdigit() or not sh.isdigit() or int(r) < 1 or int(sh) < 1:
+        raise argparse.ArgumentTypeError(f"--mesh {text!r}: give REPLICASxSHARDS, e.g. 2x2")
+    return int(r), int(sh)

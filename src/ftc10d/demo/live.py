@@ -124,6 +124,15 @@ def _pause_line(pause: Optional[dict[str, Any]], bound: Optional[float] = None) 
             f"{pause['to_step']}, at {pause['t_start_s']} s{'; ' + why if why else ''}{verdict})")
 
 
+def _hash_text(report: dict[str, Any]) -> str:
+    """The final hashes in words: per shard index under FT-HSDP (each rank hashes its shard)."""
+    shards = report.get("final_hashes_by_shard")
+    if shards:
+        distinct = ", ".join(f"shard {k}: {len(v)}" for k, v in shards.items())
+        return f"final state_hash on {report['final_ranks']} ranks, distinct per shard index: {distinct}"
+    return f"final state_hash on {report['final_ranks']} ranks: {len(report['final_hashes'])} distinct"
+
+
 def print_summary(report: dict[str, Any], out_dir: str, *, rich_output: bool) -> None:
     med = report.get("step_time_median_s")
     fp = report["fingerprint_checks"]
@@ -131,7 +140,7 @@ def print_summary(report: dict[str, Any], out_dir: str, *, rich_output: bool) ->
         f"completed: {'yes' if report['completed'] else 'NO'} ({report['steps_committed']}/{report['steps']} steps, "
         f"{report.get('duration_s')} s)",
         f"replicas bitwise-identical: {'yes' if report['replicas_identical'] else 'NO'} "
-        f"(final state_hash on {report['final_ranks']} ranks: {len(report['final_hashes'])} distinct; "
+        f"({_hash_text(report)}; "
         f"fingerprints agreed at {fp['checked_steps'] - len(fp['disagreeing_steps'])}/{fp['checked_steps']} "
         f"checked steps)",
         f"step time (median, no fault): {_fmt(med)}; loss {report.get('loss_first') or 0:.4g} -> "

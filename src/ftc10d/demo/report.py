@@ -190,11 +190,12 @@ def fingerprint_checks(run: Run) -> dict[str, Any]:
     """Fingerprints published for the same step, committed in the same configuration (the
     ``commit_epoch`` of the state), must be equal. A step that a worker applied alone in an
     older configuration while the others redid it in a newer one is rolled back by the Manager
-    (the worker receives the newer state, checked equal there): not compared with theirs."""
-    by_step: dict[tuple[int, Any], dict[int, str]] = defaultdict(dict)
+    (the worker receives the newer state, checked equal there): not compared with theirs.
+    FT-HSDP: a rank's fingerprint covers its shard, so only ranks of one shard index compare."""
+    by_step: dict[tuple[int, Any, Any], dict[int, str]] = defaultdict(dict)
     for e in run.events:
         if e["kind"] == "fingerprint":
-            by_step[(e["step"], e.get("commit_epoch"))][e["pid"]] = e["fp"]
+            by_step[(e["step"], e.get("commit_epoch"), e.get("shard"))][e["pid"]] = e["fp"]
     checked = {k: v for k, v in by_step.items() if len(v) > 1}
     bad = sorted({k[0] for k, v in checked.items() if len(set(v.values())) > 1})
     return {"checked_steps": len(checked), "disagreeing_steps": bad, "agreed": not bad}
@@ -212,9 +213,13 @@ def build_report(out_dir: Path, *, world_size: int, steps: int, heartbeat_timeou
 
     finals = {e["pid"]: e for e in run.events if e["kind"] == "final"}
     hashes = {e["hash"] for e in finals.values()}
+    # FT-HSDP: a rank holds its shard index's state; the replicas of each shard must agree
+    by_shard: dict[Any, set[str]] = defaultdict(set)
+    for e in finals.values():
+        by_shard[e.get("shard")].add(e["hash"])
     fps = fingerprint_checks(run)
     completed = bool(finals) and all(e["step"] >= steps for e in finals.values())
-    identical = bool(finals) and len(hashes) == 1 and fps["agreed"]
+    identical = bool(finals) and all(len(h) == 1 for h in by_shard.values()) and fps["agreed"]
 
     windows = [(f["t_fault"], (f["t_recovered"] or f["t_fault"]) + 1.0) for f in faults]
     windows += [(f["t_fault"], (f.get("t_resumed") or f["t_fault"]) + 1.0) for f in faults if f["kind"] == "freeze"]
@@ -240,6 +245,8 @@ def build_report(out_dir: Path, *, world_size: int, steps: int, heartbeat_timeou
         "heartbeat_timeout_s": heartbeat_timeout,
         "steps_committed": max(run.commits, default=0),
         "final_hashes": sorted(hashes),
+        "final_hashes_by_shard": ({str(k): sorted(v) for k, v in sorted(by_shard.items(), key=lambda kv: str(kv[0]))}
+                                  if None not in by_shard else None),
         "final_ranks": len(finals),
         "fingerprint_checks": fps,
         "loss_first": curve[0][1] if curve else None,

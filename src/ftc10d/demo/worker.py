@@ -30,7 +30,9 @@ import torch
 import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 import torch.nn.parallel  # noqa: F401
+from torch.distributed.fsdp import fully_shard
 
+from ftc10d.demo.faults import parse_mesh
 from ftc10d.demo.model import batch_for, loss_fn, make_student, make_teacher
 from ftc10d.train import ManagedOptimizer, Manager, init_from_env
 from ftc10d.launch import EXIT_STOP_JOB
@@ -72,6 +74,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--fp-every", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--job", default=None, metavar="ID",
+                   help="the job's id for the workers' own store keys (default: the launcher's id; give one when "
+                        "several launchers run the job, one per node)")
+    p.add_argument("--mesh", type=parse_mesh, default=None, metavar="RxS",
+                   help="FT-HSDP: R replicas of S ranks, FSDP2 inside each replica (R*S workers)")
+    p.add_argument("--min-step-time", type=float, default=0.0, metavar="SECONDS",
+                   help="pace the steps to at least this long (a stand-in for a bigger model's compute)")
     p.add_argument("--plain", action="store_true", help="plain torch DDP over init_process_group('gloo') (bench)")
     p.add_argument("--ab-block", type=int, default=0, metavar="N",
                    help="bench: alternate blocks of N steps of plain DDP and ftc10d DDP in this process")
@@ -96,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.ab_block:
         return _ab(args, log, slot)
     try:
+        if args.mesh is not None:
+            return _hsdp(args, log, slot, restart)
         return _ftc10d(args, log, slot, restart)
     except ReplicaDivergenceError as exc:  # the Manager logged a "diverged" event: stop the whole job
         log.emit("stopped", reason=str(exc))
@@ -114,7 +125,7 @@ def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) ->
     optim = torch.optim.Adam(model.parameters(), lr=args.lr)
     log.emit("ready")
     host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
-    finished = f"ftc10d/demo/{os.environ.get('FTC10D_LAUNCH_ID', 'x')}/finished"
+    finished = f"ftc10d/demo/{args.job or os.environ.get('FTC10D_LAUNCH_ID', 'x')}/finished"
     # A replacement, or a worker fenced while frozen, is (re)joining until its first commit.
     joining = [bool(restart)]
     if restart:
@@ -153,6 +164,80 @@ def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) ->
     log.emit("final", step=manager.step, hash=manager.state_hash(), epoch=manager.epoch, rank=manager.rank)
     # Stay until every member of the last configuration finished, so that one leaving early
     # does not look like a failure to the others' last step.
+    control.add(finished, 1)
+    deadline = time.monotonic() + 20
+    while int(control.add(finished, 0)) < manager.world_size and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return _exit(log, manager)
+
+
+def _hsdp(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> int:
+    """FT-HSDP: FSDP2 over this replica's shard group, the Manager commits across replicas.
+    A replica that lost a rank waits (in ``zero_grad``) until its replacement arrived, then
+    trains on with the shards it received."""
+    from ftc10d.train.fsdp import HSDPGroups
+    from ftc10d.train.mesh import HSDPLayout
+
+    warm_up()
+    teacher = make_teacher()
+    log.emit("ready")
+    host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
+    finished = f"ftc10d/demo/{args.job or os.environ.get('FTC10D_LAUNCH_ID', 'x')}/finished"
+    joining = [bool(restart)]
+    if restart:
+        _leave_if_finished_while_joining(host.strip("[]"), int(port), finished, joining, log)
+    pg, member = init_from_env()
+    replicas, shard_size = args.mesh
+    groups = HSDPGroups(pg.store, HSDPLayout(replicas, shard_size), slot)
+    manager = Manager(pg, member, hsdp=groups)
+    log.emit("admitted", rank=manager.rank, world_size=manager.world_size, epoch=manager.epoch,
+             replica=groups.replica, shard=groups.shard_index)
+    manager.add_listener(lambda kind, info: log.emit(kind, **info))
+    manager.add_listener(lambda kind, info: joining.__setitem__(0, True) if kind == "fenced" else None)
+    try:
+        mesh = manager.device_mesh()  # waits until this rank's replica is complete
+    except JobFinished as exc:  # it arrived after the others finished
+        log.emit("left", step=manager.step, reason=str(exc))
+        return _exit(log, manager)
+    # FSDP2 (like torch's HSDP) needs the same initial model on every rank: one seed for all.
+    model = make_student(seed=0)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=args.lr)
+    manager.fsdp(model, optim)
+    opt = ManagedOptimizer(manager, optim)
+    control = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=30))
+    while manager.step < args.steps:
+        if joining[0] and control.check([finished]):
+            log.emit("left", step=manager.step, reason="the job finished before this worker (re)joined")
+            return _exit(log, manager)
+        t0 = time.time()
+        try:
+            opt.zero_grad()
+        except JobFinished as exc:
+            log.emit("left", step=manager.step, reason=str(exc))
+            return _exit(log, manager)
+        t1 = time.time()
+        # the replicas that train split the step's global batch; so do the ranks of each
+        x, y = batch_for(teacher, manager.step, groups.participants.rank(), groups.participants.size())
+        loss = torch.zeros(())
+        with manager.collectives():
+            loss = loss_fn(model(x), y)
+            loss.backward()
+        ok = opt.step()
+        t2 = time.time()
+        joining[0] = joining[0] and not ok
+        log.emit("step", step=manager.step, ok=ok, loss=float(loss.detach()), t0=t0, t_start=t1 - t0, dt=t2 - t0,
+                 epoch=manager.epoch, rank=manager.rank, world_size=manager.world_size,
+                 replicas=groups.replicate.size())
+        time.sleep(max(0.0, t0 + args.min_step_time - time.time()))
+        if ok and (manager.step % args.fp_every == 0 or manager.step == args.steps):
+            log.emit("fingerprint", step=manager.step, fp=manager.fingerprint(), commit_epoch=manager.commit_epoch,
+                     shard=groups.shard_index)
+    log.emit("final", step=manager.step, hash=manager.state_hash(), epoch=manager.epoch, rank=manager.rank,
+             shard=groups.shard_index)
     control.add(finished, 1)
     deadline = time.monotonic() + 20
     while int(control.add(finished, 0)) < manager.world_size and time.monotonic() < deadline:
