@@ -28,10 +28,11 @@ STAMP212 := $(VENV212)/.ftc10d-installed
 STAMP215 := $(VENV215)/.ftc10d-installed
 
 .DEFAULT_GOAL := help
-.PHONY: help etcd venv venv214 venv211 venv212 venv215 test test-torch214 test-torch211 test-torch212 test-torch215 demo bench clean distclean
+.PHONY: help etcd venv venv214 venv211 venv212 venv215 test test-torch214 test-torch211 test-torch212 test-torch215 demo demo-hsdp bench clean distclean
 
 help:  ## list the targets
 	@echo "make demo            train on 4 workers while one is killed and one frozen; watch it recover in place"
+	@echo "make demo-hsdp       the same as FT-HSDP (2 replicas x 2 FSDP2 shards): replicas and shards recover in place"
 	@echo "make test            run the test suite (torch $(TORCH_VERSION) CPU, in $(VENV))"
 	@echo "make test-torch214   run the test suite on torch $(TORCH214_VERSION) (in $(VENV214))"
 	@echo "make test-torch211   ... on torch $(TORCH211_VERSION) (in $(VENV211); a CUDA build from the registry, GBs)"
@@ -95,6 +96,9 @@ test-torch215: $(STAMP215) etcd
 
 demo: $(STAMP)
 	$(VENV)/bin/ftc10d demo
+
+demo-hsdp: $(STAMP)
+	$(VENV)/bin/ftc10d demo --mesh 2x2
 
 # Every benchmarks/*.py that is not a helper module (leading underscore), from the
 # repository root so that `tests.harness` and `benchmarks` import as packages.

@@ -33,6 +33,9 @@ def _pending_ops(pg: ftc10d.ProcessGroup, frozen: int) -> dict[str, tuple[torch.
     ops["broadcast"] = (b, dist.broadcast(b, src=frozen, group=pg, async_op=True))
     r = torch.full((N,), -3.0)
     ops["recv"] = (r, dist.irecv(r, src=frozen, group=pg))
+    # Gloo's reduce-scatter wait ignores timeouts and copies in wait(): released by the abort all the same
+    rs = torch.full((N,), -4.0)
+    ops["reduce_scatter"] = (rs, dist.reduce_scatter_tensor(rs, torch.ones(N * n), group=pg, async_op=True))
     return ops
 
 
@@ -125,7 +128,8 @@ def test_abort_with_frozen_peer_unblocks_every_wait_and_fences_old_tensors() -> 
         job.close()
     for r in range(world - 1):
         v = res[r]
-        assert v["raised"] == {k: "ProcessGroupAborted" for k in ("all_reduce", "all_gather", "broadcast", "recv")}
+        assert v["raised"] == {k: "ProcessGroupAborted" for k in ("all_reduce", "all_gather", "broadcast", "recv",
+                                                                  "reduce_scatter")}
         assert v["latency"] < 2.0, v  # generous bound; the benchmark measures the real figure
         assert v["hooks"] == 1
         assert all(v["unchanged"].values()), v["unchanged"]
@@ -412,3 +416,63 @@ def test_a_waited_reduce_scatter_is_complete_and_neither_a_second_wait_nor_the_a
         assert r["reduced"] == 2.0, r
         assert r["tracked"] <= 2 and not r["pending"] and r["completed"], r
         assert r["after"] == 42.0, r
+
+
+def _reduce_scatter_on_a_closed_pair(rank: int, world: int, port: int) -> dict:
+    store = harness.client_store(port)
+    pg = ftc10d.ProcessGroup(store, rank, world, timeout=timedelta(seconds=OP_TIMEOUT_S))
+    dist.all_reduce(torch.ones(4), group=pg)  # connected
+    harness.store_barrier(store, "connected", rank, world)
+    if rank == 0:
+        harness.store_barrier(store, "stopped", 0, 1)  # the test says rank 1 is stopped
+        pg.abort()  # closes its side of the pair while rank 1 cannot see it
+        harness.store_barrier(store, "closed", 0, 1)
+        return {}
+    out = torch.full((N,), -1.0)
+    # issued, the peer never joins it; then this process stops while its send is queued
+    work = dist.reduce_scatter_tensor(out, torch.ones(N * world), group=pg, async_op=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    harness.store_barrier(store, "closed", 0, 1)
+    outcome: list[Any] = []
+
+    def waiter() -> None:
+        t0 = time.perf_counter()
+        try:
+            work.wait()
+            outcome.append(("completed", time.perf_counter() - t0))
+        except Exception as exc:  # noqa: BLE001 - recorded for the assertions
+            outcome.append((type(exc).__name__, time.perf_counter() - t0))
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    time.sleep(0.5)
+    pg.abort()  # what the membership does when it finds this rank fenced
+    th.join(OP_TIMEOUT_S)
+    return {"outcome": outcome, "out": float(out[0])}
+
+
+def test_a_reduce_scatter_issued_on_a_pair_the_peer_closed_is_released_by_the_abort() -> None:
+    """A rank stopped in a reduce-scatter (FSDP2's backward) resumes after its peers aborted
+    and closed their sockets: Gloo's reduce-scatter wait ignores timeouts and
+    is not woken by the closed pair, so the rank's own abort must release the waiting thread
+    (before: it waited the op's whole timeout, 5 min in an FT-HSDP demo run)."""
+    job = harness.start(_reduce_scatter_on_a_closed_pair, 2)
+    try:
+        deadline = time.monotonic() + 30
+        while harness_state(job.pid(1)) != "T":
+            assert time.monotonic() < deadline, "rank 1 did not stop"
+            time.sleep(0.02)
+        job.store.set("test/stopped/0", "1")
+        job.store.wait(["test/closed/0"], timedelta(seconds=30))
+        job.signal(1, signal.SIGCONT)
+        res = job.collect(timeout=OP_TIMEOUT_S + 30)
+    finally:
+        job.close()
+    (kind, seconds), = res[1]["outcome"]
+    assert kind != "completed" and seconds < OP_TIMEOUT_S / 4, res[1]
+    assert res[1]["out"] == -1.0, res[1]  # nothing written into the output
+
+
+def harness_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]

@@ -91,9 +91,10 @@ def run_ftc10d(out: Path, world: int, steps: int, faults: str = "none", hb: floa
     return report
 
 
-def ab_blocks(out: Path, world: int, steps: int, block: int) -> dict[str, Any]:
-    """Plain DDP and ftc10d DDP in alternating blocks inside the same 4 processes (``worker.py --ab-block``)."""
-    cfg = DemoConfig(out, world_size=world, steps=steps, spares=0, extra_args=["--ab-block", str(block)])
+def ab_blocks(out: Path, world: int, steps: int, block: int, mesh: Optional[tuple[int, int]] = None) -> dict[str, Any]:
+    """Plain DDP and ftc10d DDP (with ``mesh``: torch's HSDP and FT-HSDP) in alternating blocks
+    inside the same processes (``worker.py --ab-block``)."""
+    cfg = DemoConfig(out, world_size=world, steps=steps, spares=0, extra_args=["--ab-block", str(block)], mesh=mesh)
     run_demo(cfg, NullView())
     events = [e for e in load_events(out) if e["kind"] == "step"]
     commits: dict[int, tuple[float, str, int]] = {}

@@ -13,6 +13,7 @@ Usage (what the driver passes): ``worker.py --out DIR --steps N [--fp-every K] [
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 # Imported at the top so that a warm spare (ftc10d.launch.spare imports a script's top-level
 # imports before it is needed) pays for them: torch._dynamo is what the first optimizer
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plain:
         return _plain(args, log, slot, restart)
     if args.ab_block:
-        return _ab(args, log, slot)
+        return _ab_hsdp(args, log, slot) if args.mesh is not None else _ab(args, log, slot)
     try:
         if args.mesh is not None:
             return _hsdp(args, log, slot, restart)
@@ -137,38 +138,14 @@ def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) ->
     manager.add_listener(lambda kind, info: joining.__setitem__(0, True) if kind == "fenced" else None)
     ddp = manager.ddp(model)
     opt = ManagedOptimizer(manager, optim)
-    control = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=30))
-    while manager.step < args.steps:
-        if joining[0] and control.check([finished]):
-            # A replacement or a rejoining worker that arrives after the others finished would
-            # otherwise train the whole job again, alone: there is nothing left to join.
-            log.emit("left", step=manager.step, reason="the job finished before this worker (re)joined")
-            return _exit(log, manager)
-        t0 = time.time()
-        try:
-            opt.zero_grad()
-        except JobFinished as exc:  # fenced or replaced, and the others finished meanwhile
-            log.emit("left", step=manager.step, reason=str(exc))
-            return _exit(log, manager)
-        t1 = time.time()
+
+    def step() -> torch.Tensor:
         x, y = batch_for(teacher, manager.step, manager.rank, manager.world_size)
         loss = loss_fn(ddp(x), y)
         loss.backward()
-        ok = opt.step()
-        t2 = time.time()
-        joining[0] = joining[0] and not ok
-        log.emit("step", step=manager.step, ok=ok, loss=float(loss.detach()), t0=t0, t_start=t1 - t0, dt=t2 - t0,
-                 epoch=manager.epoch, rank=manager.rank, world_size=manager.world_size)
-        if ok and (manager.step % args.fp_every == 0 or manager.step == args.steps):
-            log.emit("fingerprint", step=manager.step, fp=manager.fingerprint(), commit_epoch=manager.commit_epoch)
-    log.emit("final", step=manager.step, hash=manager.state_hash(), epoch=manager.epoch, rank=manager.rank)
-    # Stay until every member of the last configuration finished, so that one leaving early
-    # does not look like a failure to the others' last step.
-    control.add(finished, 1)
-    deadline = time.monotonic() + 20
-    while int(control.add(finished, 0)) < manager.world_size and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return _exit(log, manager)
+        return loss
+
+    return _train(args, log, manager, opt, finished, joining, step, lambda: {}, {})
 
 
 def _hsdp(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> int:
@@ -208,42 +185,60 @@ def _hsdp(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> i
     optim = torch.optim.Adam(model.parameters(), lr=args.lr)
     manager.fsdp(model, optim)
     opt = ManagedOptimizer(manager, optim)
+
+    def step() -> torch.Tensor:
+        # the replicas that train split the step's global batch; so do the ranks of each
+        x, y = batch_for(teacher, manager.step, groups.participants.rank(), groups.participants.size())
+        loss = torch.zeros(())
+        with manager.collectives():  # a failed collective fails the step, not the loop
+            loss = loss_fn(model(x), y)
+            loss.backward()
+        return loss
+
+    return _train(args, log, manager, opt, finished, joining, step, lambda: {"replicas": groups.replicate.size()},
+                  {"shard": groups.shard_index})
+
+
+def _train(args: argparse.Namespace, log: EventLog, manager: Any, opt: ManagedOptimizer, finished: str,
+           joining: list[bool], step: Callable[[], torch.Tensor], step_info: Callable[[], dict[str, Any]],
+           state_info: dict[str, Any]) -> int:
+    """The training loop of both modes: ``step()`` computes one step's gradients and returns its
+    loss; ``step_info()`` adds to each step event, ``state_info`` to the fingerprint and final
+    events (FT-HSDP: the shard index the state belongs to)."""
+    host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
     control = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=30))
     while manager.step < args.steps:
         if joining[0] and control.check([finished]):
+            # A replacement or a rejoining worker that arrives after the others finished would
+            # otherwise train the whole job again, alone: there is nothing left to join.
             log.emit("left", step=manager.step, reason="the job finished before this worker (re)joined")
             return _exit(log, manager)
         t0 = time.time()
         try:
             opt.zero_grad()
-        except JobFinished as exc:
+        except JobFinished as exc:  # fenced or replaced, and the others finished meanwhile
             log.emit("left", step=manager.step, reason=str(exc))
             return _exit(log, manager)
         t1 = time.time()
-        # the replicas that train split the step's global batch; so do the ranks of each
-        x, y = batch_for(teacher, manager.step, groups.participants.rank(), groups.participants.size())
-        loss = torch.zeros(())
-        with manager.collectives():
-            loss = loss_fn(model(x), y)
-            loss.backward()
+        loss = step()
         ok = opt.step()
         t2 = time.time()
         joining[0] = joining[0] and not ok
         log.emit("step", step=manager.step, ok=ok, loss=float(loss.detach()), t0=t0, t_start=t1 - t0, dt=t2 - t0,
-                 epoch=manager.epoch, rank=manager.rank, world_size=manager.world_size,
-                 replicas=groups.replicate.size())
+                 epoch=manager.epoch, rank=manager.rank, world_size=manager.world_size, **step_info())
         time.sleep(max(0.0, t0 + args.min_step_time - time.time()))
         if ok and (manager.step % args.fp_every == 0 or manager.step == args.steps):
             log.emit("fingerprint", step=manager.step, fp=manager.fingerprint(), commit_epoch=manager.commit_epoch,
-                     shard=groups.shard_index)
+                     **state_info)
     log.emit("final", step=manager.step, hash=manager.state_hash(), epoch=manager.epoch, rank=manager.rank,
-             shard=groups.shard_index)
+             **state_info)
+    # Stay until every member of the last configuration finished, so that one leaving early
+    # does not look like a failure to the others' last step.
     control.add(finished, 1)
     deadline = time.monotonic() + 20
     while int(control.add(finished, 0)) < manager.world_size and time.monotonic() < deadline:
         time.sleep(0.02)
     return _exit(log, manager)
-
 
 def _leave_if_finished_while_joining(host: str, port: int, finished: str, joining: list[bool],
                                      log: EventLog) -> None:
@@ -319,6 +314,65 @@ def _ab(args: argparse.Namespace, log: EventLog, slot: int) -> int:
             log.emit("step", step=k, ok=ok is not False, loss=float(loss.detach()), t0=t0, dt=time.time() - t0,
                      mode=mode, block=b, epoch=manager.epoch, rank=rank, world_size=world)
     dist.barrier()
+    control.add("ftc10d/demo/ab/finished", 1)
+    while int(control.add("ftc10d/demo/ab/finished", 0)) < world:
+        time.sleep(0.02)
+    return _exit(log, manager)
+
+
+def _ab_hsdp(args: argparse.Namespace, log: EventLog, slot: int) -> int:
+    """Bench, ``--mesh RxS --ab-block N``: the same processes train two copies of the model in
+    alternating blocks (ABBA), one with torch's own HSDP (``fully_shard`` over a 2-D
+    ``DeviceMesh`` of plain Gloo groups made by ``dist.new_group(backend="gloo")``), one with
+    FT-HSDP through the Manager (shard group, replicate hook, commit vote)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ftc10d.train.fsdp import HSDPGroups
+    from ftc10d.train.mesh import HSDPLayout
+
+    warm_up()
+    teacher = make_teacher()
+    pg, member = init_from_env()
+    replicas, shard_size = args.mesh
+    groups = HSDPGroups(pg.store, HSDPLayout(replicas, shard_size), slot)
+    manager = Manager(pg, member, hsdp=groups, check_every=0)
+    mesh = manager.device_mesh()
+    rank, world = manager.rank, manager.world_size
+    # torch's HSDP, by world rank: replica = rank // S (every rank creates every group, in one order)
+    shard_groups = [dist.new_group([r * shard_size + i for i in range(shard_size)], backend="gloo")
+                    for r in range(replicas)]
+    rep_groups = [dist.new_group([r * shard_size + i for r in range(replicas)], backend="gloo")
+                  for i in range(shard_size)]
+    torch_mesh = DeviceMesh.from_group([rep_groups[rank % shard_size], shard_groups[rank // shard_size]], "cpu",
+                                       mesh=torch.arange(world).view(replicas, shard_size),
+                                       mesh_dim_names=("replicate", "shard"))
+    models = {"plain": make_student(seed=0), "ftc10d": make_student(seed=0)}
+    for name, m in models.items():
+        for layer in m:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=torch_mesh if name == "plain" else mesh)
+        fully_shard(m, mesh=torch_mesh if name == "plain" else mesh)
+    optims = {k: torch.optim.Adam(m.parameters(), lr=args.lr) for k, m in models.items()}
+    manager.fsdp(models["ftc10d"], optims["ftc10d"])
+    opts: dict[str, Any] = {"plain": optims["plain"], "ftc10d": ManagedOptimizer(manager, optims["ftc10d"])}
+    log.emit("admitted", rank=rank, world_size=world, epoch=manager.epoch)
+    host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
+    control = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=60))
+    order = ("plain", "ftc10d", "ftc10d", "plain")
+    k = 0
+    for b in range(max(2, args.steps // args.ab_block)):
+        mode = order[b % len(order)]
+        for _ in range(args.ab_block):
+            t0 = time.time()
+            opts[mode].zero_grad()
+            x, y = batch_for(teacher, k, rank, world)
+            with manager.collectives() if mode == "ftc10d" else contextlib.nullcontext():
+                loss = loss_fn(models[mode](x), y)
+                loss.backward()
+            ok = opts[mode].step()
+            k += 1
+            log.emit("step", step=k, ok=ok is not False, loss=float(loss.detach()), t0=t0, dt=time.time() - t0,
+                     mode=mode, block=b, epoch=manager.epoch, rank=rank, world_size=world)
     control.add("ftc10d/demo/ab/finished", 1)
     while int(control.add("ftc10d/demo/ab/finished", 0)) < world:
         time.sleep(0.02)

@@ -34,7 +34,7 @@ from ftc10d._compat import work_exception
 from ftc10d.pg.gloo import GlooCommunicator
 from ftc10d.pg.handles import Plan
 from ftc10d.pg.observer import OpRecord
-from ftc10d.pg.work import P2P_OPS, WAIT_COMPLETES_OPS, backend_done, backend_timeout
+from ftc10d.pg.work import HELPER_WAIT_OPS, backend_done, backend_timeout
 from ftc10d.types import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -322,9 +322,7 @@ class Generation:
                 _settle(inner, entry)
                 continue
             left = deadline - time.monotonic()
-            if work is not None and work.op in WAIT_COMPLETES_OPS:
-                finished = False  # a wait here would write into the caller's output: abandoned unwaited
-            elif work is not None and work.op in P2P_OPS:
+            if work is not None and work.op in HELPER_WAIT_OPS:
                 # Through the Work's one backend wait: a second Gloo wait on a send/recv that
                 # completed meanwhile would block until the op's timeout.
                 finished = work.p2p_backend_wait().wait(max(left, 0.0))
@@ -336,7 +334,8 @@ class Generation:
                 finished = inner.is_completed()
             if finished:
                 if entry is not None and not entry.settled:
-                    if work_exception(inner) is None:
+                    helper = work is not None and work.op in HELPER_WAIT_OPS
+                    if (work._p2p_outcome if helper else work_exception(inner)) is None:  # type: ignore[union-attr]
                         entry.complete()
                     else:  # failing is what we expect of them
                         entry.fail("aborted")

@@ -38,19 +38,28 @@ if TYPE_CHECKING:
 #: (``Work.p2p_backend_wait``).
 P2P_OPS = frozenset({"send", "recv", "recv_anysource"})
 #: Gloo's reduce-scatter works (both forms, CPU): the result is copied into the output by
-#: ``wait()`` itself, on every call, and the work never reports ``is_completed()`` nor has a
-#: future (measured on torch 2.11-2.15). So such an op counts as completed once a wait returned,
-#: is waited in the backend only once (a second wait would copy the result again, over whatever
-#: the caller wrote there since: FSDP2 writes the averaged gradient into that very buffer), and
-#: an abort never waits one (``Generation._drain``).
+#: ``wait()`` itself, on every call; the work never reports ``is_completed()``, has no future,
+#: and its wait ignores a timeout (measured on torch 2.11-2.15). So such an op is waited in the
+#: backend once, on a helper thread, like send/recv (``p2p_backend_wait``): a second wait would
+#: copy the result again over whatever the caller wrote there since (FSDP2 writes the averaged
+#: gradient into that very buffer), and a caller stuck in the backend's wait could not be
+#: released by an abort (a resumed SIGSTOPped rank waited there for the op's whole timeout).
+#: It counts as completed once that wait returned.
 WAIT_COMPLETES_OPS = frozenset({"reduce_scatter", "reduce_scatter_tensor"})
+#: Ops waited once in the backend, on a helper thread (see P2P_OPS and WAIT_COMPLETES_OPS).
+HELPER_WAIT_OPS = P2P_OPS | WAIT_COMPLETES_OPS
 #: How often a collective's untimed wait() looks whether an abort abandoned its op.
 _WAIT_SLICE = timedelta(seconds=0.05)
 
 
 def backend_done(inner: Any, work: Optional["Work"]) -> bool:
     """Whether the backend's ``inner`` work (under ftc10d's ``work``) can write nothing more."""
-    return bool(inner.is_completed()) or (work is not None and work.waited)
+    if inner.is_completed():
+        return True
+    if work is None or work.op not in WAIT_COMPLETES_OPS:
+        return False
+    finished = work._p2p_finished
+    return finished is not None and finished.is_set()
 
 
 def backend_timeout(timeout: timedelta) -> timedelta:
@@ -82,9 +91,9 @@ class Work(dist.Work):
         #: that releases the caller's wait() (set by that wait's end or by abandon()).
         self._p2p_finished: Optional[threading.Event] = None
         self._p2p_outcome: Optional[BaseException] = None
+        #: Called once that backend wait returned (a reduce-scatter's future, see get_future).
+        self._p2p_done: Optional[Any] = None
         self._wake: Optional[threading.Event] = None
-        #: A backend wait returned successfully (what completes a WAIT_COMPLETES_OPS op).
-        self.waited = False
 
     # -- introspection used by hooks and the flight recorder
     @property
@@ -109,11 +118,9 @@ class Work(dist.Work):
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         if self._error is not None:
             raise self._error
-        if self.waited and self._op in WAIT_COMPLETES_OPS:
-            return True  # its one backend wait delivered the result (see WAIT_COMPLETES_OPS)
         untimed = timeout is None or timeout == timedelta(0)
         try:
-            if untimed and self._op in P2P_OPS:
+            if untimed and self._op in HELPER_WAIT_OPS:
                 self._wait_p2p()  # the one backend wait: again after completion, it returns at once
             elif untimed:
                 # In slices, so that an abort that abandons the op releases us within one.
@@ -133,7 +140,7 @@ class Work(dist.Work):
                         if self._error is not None:  # abandoned
                             self._gen.wait_aborted()
                             raise self._error from None
-            elif self._op in P2P_OPS:
+            elif self._op in HELPER_WAIT_OPS:
                 assert timeout is not None
                 if not self.p2p_backend_wait().wait(timeout.total_seconds()):
                     raise RuntimeError(f"Operation timed out after {timeout} (Work.wait timeout)")
@@ -145,14 +152,14 @@ class Work(dist.Work):
             raise
         except Exception as exc:  # the backend raises RuntimeError/DistBackendError
             raise self._translate(exc, abort_inline=True) from exc
-        self.waited = True
         if self._entry is not None:
             self._entry.complete()
         return True
 
     def p2p_backend_wait(self) -> threading.Event:
-        """Start the one backend wait of this send/recv, on a helper thread, unless it
-        started; the event is set once it returned (outcome in ``_p2p_outcome``).
+        """Start the one backend wait of this send/recv (or Gloo reduce-scatter,
+        ``WAIT_COMPLETES_OPS``), on a helper thread, unless it started; the event is set once
+        it returned (outcome in ``_p2p_outcome``).
 
         Gloo gives send/recv no future, a timed wait that ends marks their work failed
         (so they cannot be waited in slices like collectives), and a second wait after
@@ -174,6 +181,9 @@ class Work(dist.Work):
                 wake = self._wake
                 if wake is not None:
                     wake.set()
+                done = self._p2p_done
+                if done is not None:
+                    done()
 
         threading.Thread(target=run, name="ftc10d-p2p-wait", daemon=True).start()
         return finished
@@ -215,6 +225,11 @@ class Work(dist.Work):
         if abandoned:
             gate.set_result(self._error)
             return fut
+        if self._op in WAIT_COMPLETES_OPS:  # Gloo gives none: completed by the one backend wait
+            self._p2p_done = self._relay_helper
+            if self.p2p_backend_wait().is_set():
+                self._relay_helper()
+            return fut
         try:
             inner_fut = self._inner.get_future()
         except RuntimeError:  # this backend work has none
@@ -242,6 +257,18 @@ class Work(dist.Work):
             self._entry.complete()
         self._finish()
 
+    def _relay_helper(self) -> None:
+        """The future of a WAIT_COMPLETES_OPS op, from its helper's backend wait."""
+        if self._fut_set:
+            return
+        outcome = self._p2p_outcome
+        if outcome is not None:
+            self._finish(error=self._translate(outcome, abort_inline=False))
+            return
+        if self._entry is not None:
+            self._entry.complete()
+        self._finish()
+
     def _finish(self, error: Optional[BaseException] = None) -> None:
         """Open the gate once (the backend and an abandoning abort may race); outside the
         lock: completing it runs the future's callbacks here."""
@@ -264,7 +291,7 @@ class Work(dist.Work):
             wake.set()
 
     def is_completed(self) -> bool:
-        return self._fut_set or self.waited or bool(self._inner.is_completed())
+        return self._fut_set or backend_done(self._inner, self)
 
     def is_success(self) -> bool:
         return self._error is None and bool(self._inner.is_success())

@@ -38,11 +38,13 @@ import torch.distributed as dist
 
 from ftc10d.pg import ProcessGroup
 from ftc10d.train.mesh import HSDPLayout, Placement
-from ftc10d.types import InvalidOptionError, NotConfiguredError
+from ftc10d.types import InvalidOptionError, NotConfiguredError, ProcessGroupAborted, ReconfigureTimeoutError
 
 logger = logging.getLogger("ftc10d")
 
 PREFIX = "ftc10d/hsdp"
+#: How often configure()'s wait for the others' handles looks whether the configuration was aborted.
+_SLICE = timedelta(milliseconds=100)
 
 
 def _coordinate(mesh: Any) -> Optional[int]:
@@ -108,11 +110,14 @@ class HSDPGroups:
             self._mesh = mesh
         return self._mesh
 
-    def configure(self, placement: Placement, uuid: int, world_rank: int) -> bool:
+    def configure(self, placement: Placement, uuid: int, world_rank: int, world: Optional[ProcessGroup] = None) -> bool:
         """Move both groups to the configuration ``uuid`` (the world group's) described by
         ``placement``; every rank of the configuration calls it. Returns whether this rank
         trains in it (its replica is complete): one that does not touches neither group and
-        waits for the next configuration, keeping its shard."""
+        waits for the next configuration, keeping its shard. With ``world`` (the world group),
+        waiting for the others' handles ends with :class:`ProcessGroupAborted` as soon as the
+        world's configuration is aborted (a member left or died meanwhile: the membership
+        aborts it), instead of waiting out the timeout for handles that will never come."""
         from ftc10d.pg.c10d import reconfigure
 
         key = f"{PREFIX}/{uuid}"
@@ -129,7 +134,7 @@ class HSDPGroups:
         mates = [slots[r] for r in placement.replica_ranks(self.replica) if r is not None]
         peers = [slots[r] for r in placement.shard_ranks(self.shard_index, complete_only=True)]
         everyone = [slots[r] for r in placement.participants]
-        self._store.wait([f"{key}/{s}" for s in everyone], self.shard.timeout)
+        self._wait([f"{key}/{s}" for s in everyone], uuid, world)
         handles = dict(zip(everyone, (v.decode().split(" ") for v in self._store.multi_get(
             [f"{key}/{s}" for s in everyone]))))
         reconfigure(uuid, [handles[s][0] for s in mates], group=self.shard)  # by shard index: rank = index
@@ -137,6 +142,24 @@ class HSDPGroups:
         reconfigure(uuid, [handles[s][2] for s in everyone], group=self.participants)  # by (replica, index)
         self.uuid, self.placement = uuid, placement
         return True
+
+    def _wait(self, keys: list[str], uuid: int, world: Optional[ProcessGroup]) -> None:
+        """The store wait of :meth:`configure`, in slices: given up when ``world`` is aborted."""
+        deadline = time.monotonic() + self.shard.timeout.total_seconds()
+        while True:
+            try:
+                self._store.wait(keys, _SLICE)
+                return
+            except (RuntimeError, dist.DistError):  # the slice's timeout (DistStoreError)
+                gen = world.generation if world is not None else None
+                if gen is not None and (gen.aborted or gen.uuid != uuid):
+                    raise ProcessGroupAborted(
+                        f"FT-HSDP: configuration {uuid} was aborted while its ranks exchanged their sub-group handles "
+                        "(a member left or died meanwhile)", op="hsdp_configure", uuid=uuid) from None
+                if time.monotonic() > deadline:
+                    raise ReconfigureTimeoutError(
+                        f"FT-HSDP: the ranks of configuration {uuid} did not all publish their sub-group handles "
+                        f"within {self.shard.timeout}; some rank is stuck before its recovery") from None
 
     def failed(self) -> bool:
         """Whether one of the groups' current configurations failed or was aborted."""
@@ -259,7 +282,7 @@ def recover_shards(manager: Any, cfg: Any, deadline: float) -> bool:
         manager._wait_for_state(cfg, held, job_step, closed_step, deadline)
         return False
     plans = shard_plans(placement, rows)  # StateLostError: a shard has no holder left
-    trains = groups.configure(placement, pg.uuid, pg.rank())
+    trains = groups.configure(placement, pg.uuid, pg.rank(), pg)
     plan = plans.get(groups.shard_index) if placement.coords(pg.rank()) is not None else None
     if plan is not None:
         own = manager.state_dict if manager._synced and ready else None
