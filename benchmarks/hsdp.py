@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -136,14 +135,9 @@ def shard_transfer(params_list: list[int], trials: int) -> list[dict[str, Any]]:
 
 
 def _events(out: Path) -> list[dict[str, Any]]:
-    events = []
-    for f in sorted((out / "events").glob("*.jsonl")):
-        for line in f.read_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return sorted(events, key=lambda e: e["t"])
+    from ftc10d.demo.report import load_events
+
+    return load_events(out)
 
 
 def _launch(address: str, node: int, out: Path, name: str, steps: int) -> subprocess.Popen:

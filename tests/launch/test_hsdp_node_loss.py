@@ -11,7 +11,6 @@ same shard index on node 0, and both replicas finish with every shard bitwise id
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -40,14 +39,9 @@ def _launch(coordinator: Coordinator, node: int, out: Path, name: str) -> subpro
 
 
 def _events(out: Path) -> list[dict[str, Any]]:
-    events = []
-    for f in sorted((out / "events").glob("*.jsonl")):
-        for line in f.read_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a line being written
-    return sorted(events, key=lambda e: e["t"])
+    from ftc10d.demo.report import load_events
+
+    return load_events(out)
 
 
 def _committed(out: Path, slots: set[int]) -> int:
