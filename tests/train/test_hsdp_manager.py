@@ -37,12 +37,13 @@ def hsdp_worker(rank: int, world: int, port: int, coordinator: str, opts: dict[s
     from ftc10d.train.mesh import HSDPLayout
 
     slot = int(opts.get("slot", rank))
-    os.environ.update({"FTC10D_COORDINATOR": coordinator, "RANK": str(slot), "WORLD_SIZE": "4",
+    replicas, shard_size = int(opts.get("replicas", 2)), int(opts.get("shard_size", 2))
+    os.environ.update({"FTC10D_COORDINATOR": coordinator, "RANK": str(slot), "WORLD_SIZE": str(replicas * shard_size),
                        "FTC10D_HEARTBEAT_TIMEOUT": "1.0"})
     _log_to(rank + 10 * int("slot" in opts))
     control = client_store(port)
     pg, member = init_from_env()
-    groups = HSDPGroups(pg.store, HSDPLayout(replicas=2, shard_size=2), slot, timedelta(seconds=60))
+    groups = HSDPGroups(pg.store, HSDPLayout(replicas=replicas, shard_size=shard_size), slot, timedelta(seconds=60))
     manager = Manager(pg, member, hsdp=groups, check_every=5)
     events: list[tuple[str, dict]] = []
     manager.add_listener(lambda kind, info: events.append((kind, dict(info))))
@@ -72,7 +73,7 @@ def hsdp_worker(rank: int, world: int, port: int, coordinator: str, opts: dict[s
                 control.add(f"committed/{split['step']}", 1)
         time.sleep(INTERVAL)
     control.add("finished", 1)
-    while int(control.add("finished", 0)) < 4:
+    while int(control.add("finished", 0)) < replicas * shard_size:
         time.sleep(0.02)
     manager.close()
     return {"pid": os.getpid(), "slot": slot, "steps": manager.step,
@@ -204,3 +205,25 @@ def test_a_vote_that_failed_on_every_holder_of_a_shard_rolls_forward(coordinator
     assert d.get(1) is not None and d.get(1) == d.get(3), ("slot 3's rolled-forward shard differs from what slot 1 "
                                                             "committed", d)
     _check_shards(store, pids, 8 + 5)
+
+
+def test_one_replica_losing_a_rank_is_state_lost_at_once(coordinator: Coordinator) -> None:
+    """R = 1 (FSDP2 alone, no replica to take a shard from), 1x3: a SIGKILLed rank's shard has
+    no holder left. The survivors raise StateLostError naming the shard at the next step,
+    without waiting for a replacement that could only start a second history."""
+    job = start(hsdp_worker, 3, coordinator.address, {"replicas": 1, "shard_size": 3})
+    try:
+        _wait(job.store, 0, 5)
+        job.signal(2, signal.SIGKILL)  # 2 of 3 left: a majority, the membership moves on by itself
+        t0 = time.monotonic()
+        try:
+            job.collect([0, 1], timeout=60)
+            raise AssertionError("the survivor trained on without shard 1")
+        except AssertionError as exc:
+            text = str(exc)
+        took = time.monotonic() - t0
+    finally:
+        job.close()
+    assert "StateLostError" in text and "shard 2 of the 1x3 mesh is lost" in text, text
+    assert "no live rank holds it" in text, text
+    assert took < 30, took  # the heartbeat timeout (1 s) and a recovery, not a sync timeout

@@ -230,11 +230,11 @@ def shard_plans(placement: "Placement", rows: Sequence[tuple[Any, ...]]) -> dict
         ranks = placement.shard_ranks(index)
         plan = plan_among(ranks, steps, flags, epochs, p2p_only=True) if ranks else None
         if target is not None and (plan is None or not flags[plan.source] or (plan.epoch, plan.step) != target):
-            have = "no live rank" if plan is None else f"ranks {ranks}, at (epoch, step) " + ", ".join(
-                str((epochs[r], steps[r])) if flags[r] else "none" for r in ranks)
+            have = "no live rank holds it" if plan is None else f"its live ranks {ranks}, at (epoch, step) " + \
+                ", ".join(str((epochs[r], steps[r])) if flags[r] else "none" for r in ranks) + ", do not hold it"
             raise StateLostError(
                 f"shard {index} of the {lay.replicas}x{lay.shard_size} mesh is lost: the job is at (epoch, step) "
-                f"{target}, and {have} hold it (every replica that held this shard is gone); "
+                f"{target}, and {have} (every replica that held this shard is gone); "
                 "restore the job from a checkpoint")
         if plan is not None:
             plans[index] = plan
