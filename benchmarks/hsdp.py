@@ -175,7 +175,10 @@ def node_loss(steps: int = 400) -> dict[str, Any]:
                 return max((e["step"] for e in _events(out) if e["kind"] == "step" and e["ok"]
                             and e["slot"] in slots), default=0)
 
-            procs += [_launch(co.address, 0, out, "node0", steps), _launch(co.address, 1, out, "node1", steps)]
+            procs.append(_launch(co.address, 0, out, "node0", steps))
+            # node 0's ranks first: the configuration's first member, the tie-breaker of two halves
+            _wait(lambda: {e["slot"] for e in _events(out) if e["kind"] == "ready"} >= {0, 1}, 120)
+            procs.append(_launch(co.address, 1, out, "node1", steps))
             _wait(lambda: committed({0, 1, 2, 3}) >= 40, 120)
             t_kill = time.time()
             os.killpg(procs[1].pid, signal.SIGKILL)

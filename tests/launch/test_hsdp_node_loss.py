@@ -1,9 +1,10 @@
 """The headline case: FT-HSDP loses a whole *node* and keeps training without a restart.
 
-Two launchers (``ftc10d launch --nnodes 2``), one per "node", each running one replica of a
-2x2 FT-HSDP job (the demo's worker, ``--mesh 2x2``: FSDP2 inside each replica). Node 1's
+Two launchers (``ftc10d launch --nnodes 2 --min-members 2``), one per "node", each running one
+replica of a 2x2 FT-HSDP job (the demo's worker, ``--mesh 2x2``: FSDP2 inside each replica). Node 1's
 launcher is SIGKILLed: the kernel kills its workers with it (``PR_SET_PDEATHSIG``), and
-nobody is left on that node to report their exits; the members' heartbeats find them gone.
+nobody is left on that node to report their exits; the members' heartbeats find them gone,
+and the half left holds the configuration's first member (the membership's tie-breaker).
 Checked: node 0's replica trains on alone, its processes never restart; a new launcher for
 node 1 starts fresh workers in slots 2 and 3, they receive their shards from the ranks of the
 same shard index on node 0, and both replicas finish with every shard bitwise identical.
@@ -56,10 +57,17 @@ def _pids(out: Path, slots: set[int]) -> set[int]:
 def test_a_whole_replica_and_its_launcher_lost_the_other_trains_on_and_a_new_node_gets_the_shards(
         coordinator: Coordinator, tmp_path: Path) -> None:
     node0 = _launch(coordinator, 0, tmp_path, "node0")
+    # node 0's ranks join first, so the configuration's first member is on node 0: when node 1
+    # goes, the half left holds it and wins the membership's tie-breaker (two halves: no
+    # majority either way; see ftc10d.membership.agreement)
+    wait_for(lambda: {e["slot"] for e in _events(tmp_path) if e["kind"] == "ready"} >= {0, 1}, 120,
+             "node 0's ranks to join")
     node1 = _launch(coordinator, 1, tmp_path, "node1")
     node1b = None
     try:
         wait_for(lambda: _committed(tmp_path, {0, 1, 2, 3}) >= 20, 120, "the job's step 20")
+        first = [e["slot"] for e in _events(tmp_path) if e["kind"] == "admitted" and e["rank"] == 0]
+        assert first and first[0] in (0, 1), f"the configuration's first member is not on node 0: {first}"
         before = _pids(tmp_path, {0, 1})
         lost = _pids(tmp_path, {2, 3})
         os.killpg(node1.pid, signal.SIGKILL)  # the node: its launcher, and with it its workers

@@ -187,29 +187,70 @@ def test_below_min_members_blocks_with_clear_status(coordinator: Coordinator) ->
             joiner.close()
 
 
-def test_majority_rule_and_confirmed_exits(coordinator: Coordinator) -> None:
+def test_majority_rule_and_its_tie_breaker(coordinator: Coordinator) -> None:
     """Removing half the members on suspicion is refused (a partitioned minority could
-    otherwise vote the majority out); the same removal confirmed by a supervisor is not."""
+    otherwise vote the majority out) unless the remaining half holds the configuration's
+    first member (the tie-breaker: only one half can). (Confirmed exits need no majority:
+    ``test_a_confirmed_exit_needs_no_majority`` and the launcher's tests.)"""
     members = [Member(coordinator.membership_store(), f"ftc10d/v1/t/{i}/{i:016x}", expected=4, watchers=0).join()
                for i in range(4)]
     try:
         cfg = [m.wait_next(0, 30) for m in members][0]
-        ag = Agreement(coordinator.membership_store(), Signer(None), self_id=members[0].id)
-        out = ag.propose({members[2].id: "heartbeat", members[3].id: "peer-error"}, reason="test")
+        first, second = cfg.members[0], cfg.members[1]
+        others = [m for m in members if m.id not in (first, second)]
+        # the half without the first member cannot remove the half with it
+        ag = Agreement(coordinator.membership_store(), Signer(None), self_id=others[0].id)
+        out = ag.propose({first: "heartbeat", second: "peer-error"}, reason="test")
         assert not out.changed and out.blocked and "no majority" in out.blocked
         assert ag.latest() == cfg
-        supervisor = Agreement(coordinator.membership_store(), Signer(None))
-        # Member 3's exit is a fact; with it, removing the suspected member 2 leaves 2 of
-        # the 3 members whose fate is unknown: a majority, so both go in one epoch.
-        out = supervisor.report_exit(members[3].handle)
-        assert out.changed and out.config is not None and out.config.size == 2
-        assert not supervisor.report_exit(members[2].handle).changed  # already gone
-        assert members[0].wait_next(cfg.epoch, 10).size == 2
+        # nor fewer than half of them, with or without it
+        out = ag.propose({first: "heartbeat", second: "heartbeat", others[1].id: "heartbeat"}, reason="test")
+        assert not out.changed and out.blocked and "no majority" in out.blocked
+    finally:
+        for m in members:
+            m.close()
+
+
+def test_the_half_with_the_first_member_removes_the_other_half(coordinator: Coordinator) -> None:
+    """The tie-breaker's other side: two halves (two nodes, two FT-HSDP replicas), one gone
+    at once without a supervisor to report it; the half holding the configuration's first
+    member removes the other on suspicion alone and goes on."""
+    members = [Member(coordinator.membership_store(), f"ftc10d/v1/h/{i}/{i:016x}", expected=4, watchers=0).join()
+               for i in range(4)]
+    try:
+        cfg = [m.wait_next(0, 30) for m in members][0]
+        first, second = cfg.members[0], cfg.members[1]
+        others = [m for m in members if m.id not in (first, second)]
+        ag_first = Agreement(coordinator.membership_store(), Signer(None), self_id=first)
+        out = ag_first.propose({others[0].id: "heartbeat", others[1].id: "peer-error"}, reason="test")
+        assert out.changed and out.config is not None and list(out.config.members) == [first, second], out
+        assert next(m for m in members if m.id == first).wait_next(cfg.epoch, 10).size == 2
         with pytest.raises(Exception) as err:
-            members[3].wait_next(cfg.epoch, 10)
+            others[0].wait_next(cfg.epoch, 10)
         assert type(err.value).__name__ == "Fenced"
-        uuids = {cfg.uuid, out.config.uuid}
-        assert len(uuids) == 2
+    finally:
+        for m in members:
+            m.close()
+
+
+
+def test_a_confirmed_exit_needs_no_majority(coordinator: Coordinator) -> None:
+    """A removal blocked for want of a majority goes through once a supervisor confirms one
+    of the exits: both go in one epoch (2 left of the 3 whose fate is unknown)."""
+    members = [Member(coordinator.membership_store(), f"ftc10d/v1/c/{i}/{i:016x}", expected=4, watchers=0).join()
+               for i in range(4)]
+    try:
+        cfg = [m.wait_next(0, 30) for m in members][0]
+        first, second = cfg.members[0], cfg.members[1]
+        others = [m for m in members if m.id not in (first, second)]
+        ag = Agreement(coordinator.membership_store(), Signer(None), self_id=others[0].id)
+        out = ag.propose({first: "heartbeat", second: "heartbeat"}, reason="test")
+        assert not out.changed and out.blocked and "no majority" in out.blocked
+        supervisor = Agreement(coordinator.membership_store(), Signer(None))
+        out = supervisor.report_exit(next(m for m in members if m.id == first).handle)
+        assert out.changed and out.config is not None and out.config.size == 2, out
+        assert sorted(out.config.members) == sorted(m.id for m in others)
+        assert not supervisor.report_exit(next(m for m in members if m.id == first).handle).changed  # gone
     finally:
         for m in members:
             m.close()

@@ -51,7 +51,8 @@ def test_a_fresh_job_sends_each_shard_from_its_lowest_rank() -> None:
 def test_every_holder_of_a_shard_gone_is_state_lost_also_with_one_replica() -> None:
     lay = HSDPLayout(replicas=2, shard_size=2)
     rows = _rows((40, True, 3, 0), (40, True, 3, 2), (0, False, 0, 1), (0, False, 0, 3))  # slots 1 and 3 died
-    with pytest.raises(StateLostError, match=r"shard 1 of the 2x2 mesh is lost: .* \(3, 40\), and its live ranks \[2, 3\]"):
+    with pytest.raises(StateLostError,
+                       match=r"shard 1 of the 2x2 mesh is lost: .* \(3, 40\), and its live ranks \[2, 3\]"):
         shard_plans(lay.placement([r[3] for r in rows]), rows)
     r1 = HSDPLayout(replicas=1, shard_size=2)
     with pytest.raises(StateLostError, match="shard 1 of the 1x2 mesh is lost"):

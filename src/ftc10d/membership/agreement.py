@@ -31,10 +31,13 @@ Safety rules checked by every proposer before it writes:
 - Majority (``require_majority``): removals on *suspicion* (heartbeat lapse,
   peer error) must leave a strict majority of the current members, not
   counting members whose exit is *confirmed* (reported by the supervisor, left
-  gracefully, or superseded by a rejoin of the same process). A minority cut
-  off from the rest can thus never vote the majority out, even when it can
-  still reach the store. On etcd a minority cut off from the etcd quorum cannot
-  write at all.
+  gracefully, or superseded by a rejoin of the same process), or exactly half
+  of them if that half holds the configuration's first member (a tie-breaker:
+  two halves cannot both hold it). A minority cut off from the rest can thus
+  never vote the majority out, even when it can still reach the store; a job
+  split in two halves (two nodes, two FT-HSDP replicas) goes on with the half
+  of its longest-standing member. On etcd a minority cut off from the etcd
+  quorum cannot write at all.
 - Only a member of the latest configuration may propose removals on suspicion:
   a fenced process that wakes up sees its old peers as lapsed, and must not
   act on that.
@@ -523,7 +526,12 @@ class Agreement:
             confirmed = len(removals) - len(suspected)
             survivors = cur.size - len(removals)
             voters = cur.size - confirmed
-            if survivors * 2 <= voters:
+            # An exact half goes on only if it holds the configuration's first member (the
+            # longest-standing one): the other half cannot hold it too, so at most one side of a
+            # split moves on (corosync's auto tie-breaker). It lets a job of two nodes, or two
+            # replicas, survive losing one whole node on suspicion alone.
+            tie_won = survivors * 2 == voters and bool(cur.members) and cur.members[0] not in removals
+            if survivors * 2 <= voters and not tie_won:
                 return (f"no majority: removing {len(suspected)} suspected member(s) would leave {survivors} of "
                         f"{voters}; this side may be a partitioned minority, so it will not form a configuration "
                         "(a supervisor's report_exit confirms deaths)")
