@@ -187,17 +187,23 @@ def test_below_min_members_blocks_with_clear_status(coordinator: Coordinator) ->
             joiner.close()
 
 
+def _two_halves(coordinator: Coordinator, tag: str) -> tuple[list[Member], Any, str, str, list[Member]]:
+    """Four members in one configuration: (members, configuration, its first two member ids,
+    the two other members)."""
+    members = [Member(coordinator.membership_store(), f"ftc10d/v1/{tag}/{i}/{i:016x}", expected=4, watchers=0).join()
+               for i in range(4)]
+    cfg = [m.wait_next(0, 30) for m in members][0]
+    first, second = cfg.members[0], cfg.members[1]
+    return members, cfg, first, second, [m for m in members if m.id not in (first, second)]
+
+
 def test_majority_rule_and_its_tie_breaker(coordinator: Coordinator) -> None:
     """Removing half the members on suspicion is refused (a partitioned minority could
     otherwise vote the majority out) unless the remaining half holds the configuration's
     first member (the tie-breaker: only one half can). (Confirmed exits need no majority:
     ``test_a_confirmed_exit_needs_no_majority`` and the launcher's tests.)"""
-    members = [Member(coordinator.membership_store(), f"ftc10d/v1/t/{i}/{i:016x}", expected=4, watchers=0).join()
-               for i in range(4)]
+    members, cfg, first, second, others = _two_halves(coordinator, "t")
     try:
-        cfg = [m.wait_next(0, 30) for m in members][0]
-        first, second = cfg.members[0], cfg.members[1]
-        others = [m for m in members if m.id not in (first, second)]
         # the half without the first member cannot remove the half with it
         ag = Agreement(coordinator.membership_store(), Signer(None), self_id=others[0].id)
         out = ag.propose({first: "heartbeat", second: "peer-error"}, reason="test")
@@ -215,12 +221,8 @@ def test_the_half_with_the_first_member_removes_the_other_half(coordinator: Coor
     """The tie-breaker's other side: two halves (two nodes, two FT-HSDP replicas), one gone
     at once without a supervisor to report it; the half holding the configuration's first
     member removes the other on suspicion alone and goes on."""
-    members = [Member(coordinator.membership_store(), f"ftc10d/v1/h/{i}/{i:016x}", expected=4, watchers=0).join()
-               for i in range(4)]
+    members, cfg, first, second, others = _two_halves(coordinator, "h")
     try:
-        cfg = [m.wait_next(0, 30) for m in members][0]
-        first, second = cfg.members[0], cfg.members[1]
-        others = [m for m in members if m.id not in (first, second)]
         ag_first = Agreement(coordinator.membership_store(), Signer(None), self_id=first)
         out = ag_first.propose({others[0].id: "heartbeat", others[1].id: "peer-error"}, reason="test")
         assert out.changed and out.config is not None and list(out.config.members) == [first, second], out
@@ -237,12 +239,8 @@ def test_the_half_with_the_first_member_removes_the_other_half(coordinator: Coor
 def test_a_confirmed_exit_needs_no_majority(coordinator: Coordinator) -> None:
     """A removal blocked for want of a majority goes through once a supervisor confirms one
     of the exits: both go in one epoch (2 left of the 3 whose fate is unknown)."""
-    members = [Member(coordinator.membership_store(), f"ftc10d/v1/c/{i}/{i:016x}", expected=4, watchers=0).join()
-               for i in range(4)]
+    members, cfg, first, second, others = _two_halves(coordinator, "c")
     try:
-        cfg = [m.wait_next(0, 30) for m in members][0]
-        first, second = cfg.members[0], cfg.members[1]
-        others = [m for m in members if m.id not in (first, second)]
         ag = Agreement(coordinator.membership_store(), Signer(None), self_id=others[0].id)
         out = ag.propose({first: "heartbeat", second: "heartbeat"}, reason="test")
         assert not out.changed and out.blocked and "no majority" in out.blocked
