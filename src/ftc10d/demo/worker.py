@@ -124,13 +124,7 @@ def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) ->
     teacher = make_teacher()
     model = make_student(seed=slot + 1000 * restart)  # different on purpose: recovery makes replicas equal
     optim = torch.optim.Adam(model.parameters(), lr=args.lr)
-    log.emit("ready")
-    host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
-    finished = f"ftc10d/demo/{args.job or os.environ.get('FTC10D_LAUNCH_ID', 'x')}/finished"
-    # A replacement, or a worker fenced while frozen, is (re)joining until its first commit.
-    joining = [bool(restart)]
-    if restart:
-        _leave_if_finished_while_joining(host.strip("[]"), int(port), finished, joining, log)
+    finished, joining = _ready(args, log, restart)
     pg, member = init_from_env()
     manager = Manager(pg, member)
     log.emit("admitted", rank=manager.rank, world_size=manager.world_size, epoch=manager.epoch)
@@ -157,12 +151,7 @@ def _hsdp(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> i
 
     warm_up()
     teacher = make_teacher()
-    log.emit("ready")
-    host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
-    finished = f"ftc10d/demo/{args.job or os.environ.get('FTC10D_LAUNCH_ID', 'x')}/finished"
-    joining = [bool(restart)]
-    if restart:
-        _leave_if_finished_while_joining(host.strip("[]"), int(port), finished, joining, log)
+    finished, joining = _ready(args, log, restart)
     pg, member = init_from_env()
     replicas, shard_size = args.mesh
     groups = HSDPGroups(pg.store, HSDPLayout(replicas, shard_size), slot)
@@ -239,6 +228,19 @@ def _train(args: argparse.Namespace, log: EventLog, manager: Any, opt: ManagedOp
     while int(control.add(finished, 0)) < manager.world_size and time.monotonic() < deadline:
         time.sleep(0.02)
     return _exit(log, manager)
+
+def _ready(args: argparse.Namespace, log: EventLog, restart: int) -> tuple[str, list[bool]]:
+    """Say "ready" (what comes before joining is done) and set up the job's "finished" key and
+    the joining flag: a replacement, or a worker fenced while frozen, is (re)joining until its
+    first commit, and leaves if the others finish meanwhile."""
+    log.emit("ready")
+    host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
+    finished = f"ftc10d/demo/{args.job or os.environ.get('FTC10D_LAUNCH_ID', 'x')}/finished"
+    joining = [bool(restart)]
+    if restart:
+        _leave_if_finished_while_joining(host.strip("[]"), int(port), finished, joining, log)
+    return finished, joining
+
 
 def _leave_if_finished_while_joining(host: str, port: int, finished: str, joining: list[bool],
                                      log: EventLog) -> None:

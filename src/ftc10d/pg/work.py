@@ -387,7 +387,7 @@ class MultiWork(dist.Work):
         return self._result
 
 
-class SwallowedWork(dist.Work):
+class SwallowedWork(CompletedWork):
     """An op of a group that swallows errors (:meth:`ProcessGroup.swallow_errors`): a
     communication failure is handed to ``report`` and the op completes normally, its
     outputs as they are (meaningless: the caller's step must not commit).
@@ -400,10 +400,9 @@ class SwallowedWork(dist.Work):
     """
 
     def __init__(self, work: dist.Work, report: Callable[[BaseException], None], result: Any) -> None:
-        super().__init__()
+        super().__init__(result)
         self._work = work
         self._report = report
-        self._result = result
         self._swallowed: Optional[BaseException] = None
 
     def _swallow(self, exc: BaseException) -> Any:
@@ -430,15 +429,6 @@ class SwallowedWork(dist.Work):
 
     def is_completed(self) -> bool:
         return self._swallowed is not None or bool(self._work.is_completed())
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self) -> Optional[BaseException]:
-        return None
-
-    def result(self) -> Any:
-        return self._result
 
     def synchronize(self) -> None:
         self.wait()
