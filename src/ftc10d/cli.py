@@ -309,7 +309,10 @@ def launch(args: argparse.Namespace) -> int:
         help="run the one trial recorded in FILE (DIR/trials/<k>-<seed>.json) again, same schedule"),
     arg("--hosts", type=int, default=1, metavar="H",
         help="spread the workers over H hosts (network namespaces; root only) and add partition faults (default: 1)"),
-    arg("--world-size", type=int, default=4, metavar="N", help="workers per trial (default: 4)"),
+    arg("--world-size", type=int, default=None, metavar="N", help="workers per trial (default: 4, or R*S with --mesh)"),
+    arg("--mesh", default=None, metavar="RxS",
+        help="run the job as FT-HSDP: R replicas of S FSDP2 ranks (e.g. 2x2), invariant 1 checked per shard; "
+             "adds the node fault (a whole replica SIGKILLed at once); one host"),
     arg("--steps", type=int, default=150, metavar="N",
         help="training steps per trial, ~0.06 s each (default: 150)"),
     arg("--heartbeat-timeout", type=float, default=0.75, metavar="SECONDS",
@@ -332,7 +335,26 @@ def chaos(args: argparse.Namespace) -> int:
     trial survived."""
     if args.trials < 1:
         args.parser.error("--trials must be at least 1")
-    if args.world_size < 3:
+    if args.mesh is not None:
+        from ftc10d.demo.faults import parse_mesh
+
+        try:
+            args.mesh = parse_mesh(args.mesh)
+        except argparse.ArgumentTypeError as exc:
+            args.parser.error(str(exc))
+        replicas, shard_size = args.mesh
+        if args.world_size not in (None, replicas * shard_size):
+            args.parser.error(f"--world-size {args.world_size} contradicts --mesh {replicas}x{shard_size} "
+                              f"({replicas * shard_size} workers): give one of them")
+        if replicas < 2:
+            args.parser.error(f"--mesh {replicas}x{shard_size}: chaos needs at least 2 replicas (with one, a lost "
+                              "rank loses its shard: StateLostError, by design)")
+        if args.hosts != 1:
+            args.parser.error("--mesh runs on one host: its node fault SIGKILLs a whole replica")
+        args.world_size = replicas * shard_size
+    elif args.world_size is None:
+        args.world_size = 4
+    if args.mesh is None and args.world_size < 3:
         args.parser.error("--world-size must be at least 3 (a removal must leave a majority)")
     if args.steps < 30:
         args.parser.error("--steps must be at least 30 (warm-up, faults, recovery)")
@@ -361,7 +383,8 @@ def chaos(args: argparse.Namespace) -> int:
     try:
         return runner.run(trials=args.trials, seed=args.seed, out=args.out, replay=args.replay, hosts=args.hosts,
                           world_size=args.world_size, steps=args.steps, heartbeat_timeout=args.heartbeat_timeout,
-                          keep=args.keep, command=command, membership=args.membership, weights=weights)
+                          keep=args.keep, command=command, membership=args.membership, weights=weights,
+                          mesh=list(args.mesh) if args.mesh is not None else None)
     except ScheduleError as exc:
         args.parser.error(str(exc))
         return 2

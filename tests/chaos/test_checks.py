@@ -291,3 +291,59 @@ def test_listening_owners_names_the_process_holding_a_port() -> None:
         owners = listening_owners(port)
         assert "python" in owners.get(os.getpid(), "")
     assert listening_owners(port) == {}
+
+
+def test_mesh_schedules_never_take_every_holder_of_a_shard_and_replay_unchanged(tmp_path: Path) -> None:
+    """``--mesh 2x2``: a double's two slots hold different shard indices, ``node`` names a
+    replica, ``die_send`` (only other holder dies as it sends) and partitions are not drawn."""
+    kinds: set[str] = set()
+    for seed in trial_seeds(5, 60):
+        spec = draw(seed, mesh=[2, 2])
+        assert spec.mesh == [2, 2] and spec.world_size == 4 and draw(seed, mesh=[2, 2]) == spec
+        for f in spec.faults:
+            kinds.add(f.kind)
+            assert f.kind not in ("die_send", "partition", "etcd"), spec
+            if f.kind == "double":
+                assert f.slot % 2 != f.slot2 % 2, spec  # type: ignore[operator]
+            if f.kind == "node":
+                assert 0 <= f.slot < 2 and str(f) == f"node@{f.at_step} replica {f.slot}"
+        path = tmp_path / f"{seed}.json"
+        path.write_text(json.dumps({"spec": spec.to_json()}))
+        assert load_replay(str(path)) == spec
+    assert {"node", "double", "kill", "die_vote"} <= kinds
+    assert "node" not in {f.kind for s in trial_seeds(5, 60) for f in draw(s).faults}, "node is a mesh fault"
+    assert "die_send" in {f.kind for s in trial_seeds(5, 60) for f in draw(s, mesh=[3, 2]).faults}
+
+
+def test_bad_mesh_trials_are_refused() -> None:
+    base = {"seed": 1, "world_size": 4, "mesh": [2, 2]}
+    cases = [
+        ({**base, "faults": [{"kind": "die_send", "slot": 0, "at_step": 10}]}, "only other holder"),
+        ({**base, "faults": [{"kind": "double", "slot": 0, "slot2": 2, "kind2": "kill", "at_step": 10}]},
+         "same shard index"),
+        ({**base, "faults": [{"kind": "node", "slot": 2, "at_step": 10}]}, r"not in \[0, 2\)"),
+        ({"seed": 1, "faults": [{"kind": "node", "slot": 0, "at_step": 10}]}, "--mesh RxS"),
+        ({**base, "world_size": 6, "faults": []}, "not world_size=6"),
+        ({**base, "world_size": 2, "mesh": [1, 2], "faults": []}, "at least 2 replicas"),
+        ({**base, "hosts": 2, "faults": []}, "one host"),
+        ({**base, "mesh": [2, 0], "faults": []}, "whole numbers >= 1"),
+    ]
+    for obj, words in cases:
+        with pytest.raises(ScheduleError, match=words):
+            TrialSpec.from_json(obj)
+
+
+def test_mesh_states_compare_per_shard() -> None:
+    """Ranks of different shard indices hold different states; holders of one shard must agree."""
+    events = []
+    for pid, shard in ((1, 0), (2, 1), (3, 0), (4, 1)):
+        for s in (1, 2):
+            events.append(ev(pid, "commit", s + pid / 100, step=s, fp=f"f{s}-{shard}", member=f"m{pid}",
+                             commit_epoch=1, shard=shard))
+        events.append(ev(pid, "final", 9.0, step=2, hash=f"h{shard}", shard=shard))
+    assert checks.check_commits(events, 2) == []
+    events[0]["fp"] = "other"  # pid 1 (shard 0), step 1
+    assert any("step 1 in epoch 1, shard 0" in p for p in checks.check_commits(events, 2))
+    events[0]["fp"] = "f1-0"
+    events[-1]["hash"] = "x"  # pid 4's final state (shard 1)
+    assert any("differ at the end (shard 1)" in p for p in checks.check_commits(events, 2))

@@ -44,7 +44,7 @@ def hsdp_worker(rank: int, world: int, port: int, coordinator: str, opts: dict[s
     control = client_store(port)
     pg, member = init_from_env()
     groups = HSDPGroups(pg.store, HSDPLayout(replicas=replicas, shard_size=shard_size), slot, timedelta(seconds=60))
-    manager = Manager(pg, member, hsdp=groups, check_every=5)
+    manager = Manager(pg, member, hsdp=groups, check_every=5, sync_timeout=float(opts.get("sync_timeout", 300)))
     events: list[tuple[str, dict]] = []
     manager.add_listener(lambda kind, info: events.append((kind, dict(info))))
     mesh = manager.device_mesh()
@@ -207,11 +207,12 @@ def test_a_vote_that_failed_on_every_holder_of_a_shard_rolls_forward(coordinator
     _check_shards(store, pids, 8 + 5)
 
 
-def test_one_replica_losing_a_rank_is_state_lost_at_once(coordinator: Coordinator) -> None:
+def test_one_replica_losing_a_rank_is_state_lost_after_the_sync_timeout(coordinator: Coordinator) -> None:
     """R = 1 (FSDP2 alone, no replica to take a shard from), 1x3: a SIGKILLed rank's shard has
-    no holder left. The survivors raise StateLostError naming the shard at the next step,
-    without waiting for a replacement that could only start a second history."""
-    job = start(hsdp_worker, 3, coordinator.address, {"replicas": 1, "shard_size": 3})
+    no holder left. The survivors wait for a holder to come back (one removed on suspicion may
+    be alive: it rejoins with its shard), then raise StateLostError naming the shard once the
+    Manager's sync_timeout (5 s here) passed, without ever training on a second history."""
+    job = start(hsdp_worker, 3, coordinator.address, {"replicas": 1, "shard_size": 3, "sync_timeout": 5})
     try:
         _wait(job.store, 0, 5)
         job.signal(2, signal.SIGKILL)  # 2 of 3 left: a majority, the membership moves on by itself
@@ -225,5 +226,5 @@ def test_one_replica_losing_a_rank_is_state_lost_at_once(coordinator: Coordinato
     finally:
         job.close()
     assert "StateLostError" in text and "shard 2 of the 1x3 mesh is lost" in text, text
-    assert "no live rank holds it" in text, text
-    assert took < 30, took  # the heartbeat timeout (1 s) and a recovery, not a sync timeout
+    assert "no live rank holds it" in text and "came back within the Manager's sync_timeout (5 s)" in text, text
+    assert 5 <= took < 40, took  # the heartbeat timeout (1 s), the 5-s wait and a recovery

@@ -60,12 +60,14 @@ def by_pid(events: Iterable[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
 
 
 def check_commits(events: list[dict[str, Any]], steps: int) -> list[str]:
-    """Invariant 1 and completion; returns what broke (empty: nothing)."""
+    """Invariant 1 and completion; returns what broke (empty: nothing). FT-HSDP events carry
+    the rank's ``shard`` index: the state of one step is compared among the holders of the
+    same shard (ranks of different shard indices hold different parts of the model)."""
     problems: list[str] = []
-    # Keyed by (step, commit epoch): states of the same step committed in the same configuration
-    # must be equal. A step a worker applied alone in an older configuration, while the others
-    # redid it in a newer one, is rolled back (its ``recovered`` event says ``rolled_back``).
-    fps: dict[tuple[int, Any], dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    # Keyed by (step, commit epoch, shard): states of the same step committed in the same
+    # configuration must be equal. A step a worker applied alone in an older configuration, while
+    # the others redid it in a newer one, is rolled back (its ``recovered`` event says ``rolled_back``).
+    fps: dict[tuple[int, Any, Any], dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
     for pid, evs in by_pid(events).items():
         cur: Optional[int] = 0
         for e in evs:
@@ -76,18 +78,19 @@ def check_commits(events: list[dict[str, Any]], steps: int) -> list[str]:
                                     "a committed step was lost")
                 cur = s
                 if "fp" in e:
-                    fps[(s, e.get("epoch"))][e["fp"]].append(pid)
+                    fps[(s, e.get("epoch"), e.get("shard"))][e["fp"]].append(pid)
             elif e["kind"] == "commit":
                 s = int(e["step"])
                 if cur is not None and s != cur + 1:
                     what = "applied twice" if s <= cur else "skipped"
                     problems.append(f"pid {pid} committed step {s} after step {cur}: a step was {what}")
                 cur = s
-                fps[(s, e.get("commit_epoch"))][e["fp"]].append(pid)
-    for s, epoch in sorted(fps, key=lambda k: (k[0], str(k[1]))):
-        if len(fps[(s, epoch)]) > 1:
-            detail = ", ".join(f"{fp} by pids {sorted(set(p))}" for fp, p in fps[(s, epoch)].items())
-            where = "" if epoch is None else f" in epoch {epoch}"
+                fps[(s, e.get("commit_epoch"), e.get("shard"))][e["fp"]].append(pid)
+    for key in sorted(fps, key=lambda k: (k[0], str(k[1]), str(k[2]))):
+        s, epoch, shard = key
+        if len(fps[key]) > 1:
+            detail = ", ".join(f"{fp} by pids {sorted(set(p))}" for fp, p in fps[key].items())
+            where = ("" if epoch is None else f" in epoch {epoch}") + ("" if shard is None else f", shard {shard}")
             problems.append(f"replicas differ after committed step {s}{where}: {detail}")
     committed = {int(e["step"]) for e in events if e["kind"] == "commit"}
     missing = [s for s in range(1, steps + 1) if s not in committed]
@@ -101,9 +104,13 @@ def check_commits(events: list[dict[str, Any]], steps: int) -> list[str]:
     finals = [e for e in events if e["kind"] == "final"]
     if not finals:
         problems.append("no worker reached the final step")
-    if len({e["hash"] for e in finals}) > 1:
-        problems.append("live replicas differ at the end: " + ", ".join(f"pid {e['pid']}: {e['hash'][:12]}"
-                                                                         for e in finals))
+    by_shard: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for e in finals:
+        by_shard[e.get("shard")].append(e)
+    for shard, group in sorted(by_shard.items(), key=lambda kv: str(kv[0])):
+        if len({e["hash"] for e in group}) > 1:
+            what = "live replicas differ at the end" + ("" if shard is None else f" (shard {shard})")
+            problems.append(what + ": " + ", ".join(f"pid {e['pid']}: {e['hash'][:12]}" for e in group))
     if any(int(e["step"]) != steps for e in finals):
         problems.append(f"a worker ended at a step other than {steps}: "
                         + ", ".join(f"pid {e['pid']}: {e['step']}" for e in finals))

@@ -23,6 +23,13 @@ launcher per host; the job, not the launcher, knows the whole job's size), and
 sends state to a joiner, inside the commit vote, or once its own vote completed; only the first process of the
 trial to get there dies (claimed through the coordinator store).
 
+``mesh`` (``[R, S]``, ``ftc10d chaos --mesh``) makes it an FT-HSDP job: the same model sharded
+by FSDP2 over each replica's S ranks (one seed on every rank, as FSDP2 needs), the commit
+across the replicas that train, the step's batch split over every rank that trains. Its
+``commit``, ``recovered`` and ``final`` events carry the rank's ``shard`` index: replicas agree
+per shard. Its guard ops run on the group of the ranks that train (a rank of an incomplete
+replica waits and issues nothing), and ``die: vote`` hooks that group (the FT-HSDP vote's).
+
 Kept free of ``tests/`` so that ``ftc10d chaos`` runs from an installed package.
 """
 
@@ -44,14 +51,16 @@ import torch._dynamo  # noqa: F401  (the first optimizer step imports it: second
 import torch.distributed as dist
 import torch.nn.parallel  # noqa: F401
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 from ftc10d.chaos.guard import Guards
 from ftc10d.launch import EXIT_STOP_JOB
 from ftc10d.train import ManagedOptimizer, Manager, init_from_env
-from ftc10d.types import ReplicaDivergenceError
+from ftc10d.types import JobFinished, ReplicaDivergenceError
 
 OPTS_ENV = "FTC10D_CHAOS_OPTS"
 IN, HIDDEN, OUT, GLOBAL_BATCH = 32, 64, 4, 64
+LR = 1e-2
 #: A worker short of the final step this long after the first one finished is out of the job.
 STRANDED_S = 10.0
 
@@ -79,10 +88,14 @@ class EventLog:
 
 
 def suicide_hook(manager: Manager, die: dict[str, Any], claim: Callable[[str], bool], log: EventLog,
-                 guards: Optional[Guards] = None) -> Any:
+                 guards: Optional[Guards] = None, is_armed: Callable[[str], bool] = lambda key: True) -> Any:
     """A pre-hook that SIGKILLs this process as it issues a state-transfer send (``op: send``)
     or its commit-vote all-reduce (``op: vote``), once ``manager.step >= after_step``, if it
-    wins the trial-wide claim for that op. A guard send is not a state transfer: left alone."""
+    wins the trial-wide claim for that op. A guard send is not a state transfer: left alone.
+    ``gated`` (``--mesh``): only once the trial set ``armed/<op>`` (``is_armed``), when the mesh
+    was whole."""
+
+    armed = [not die.get("gated")]
 
     def hook(args: Any) -> None:
         if manager.step < die["after_step"] or (guards is not None and guards.issuing):
@@ -90,7 +103,9 @@ def suicide_hook(manager: Manager, die: dict[str, Any], claim: Callable[[str], b
         name = str(args.name).lower().replace("_", "")
         hit = (die["op"] == "send" and name.endswith("send")) or (
             die["op"] in ("vote", "after_vote") and name.endswith("allreduce") and manager.in_vote)
-        if hit and claim(f"die/{die['op']}"):
+        if hit and not armed[0]:
+            armed[0] = is_armed(f"armed/{die['op']}")
+        if hit and armed[0] and claim(f"die/{die['op']}"):
             if die["op"] == "after_vote":  # a post-hook: the vote was issued; die once it completed here
                 try:
                     args.work.wait()
@@ -146,6 +161,22 @@ def _exit(log: EventLog, code: int = 0) -> None:
     os._exit(code)
 
 
+def _fsdp(manager: Manager, lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """FT-HSDP: the model sharded over this rank's replica (waits until the replica is
+    complete) and its optimizer. FSDP2 needs the same initial model on every rank: one
+    seed, not the slot's."""
+    mesh = manager.device_mesh()
+    torch.manual_seed(0)
+    sharded = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
+    for layer in sharded:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    optim = torch.optim.Adam(sharded.parameters(), lr=lr)
+    manager.fsdp(sharded, optim)
+    return sharded, optim
+
+
 def main() -> int:
     opts = json.loads(os.environ[OPTS_ENV])
     # The library's own account of every reconfiguration, into the worker's log file: what a
@@ -171,7 +202,7 @@ def main() -> int:
 
     torch.manual_seed(slot + 1000 * restart)  # different weights on purpose: recovery makes replicas equal
     model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
-    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    optim = torch.optim.Adam(model.parameters(), lr=LR)
     done = threading.Event()
     joined: dict[str, Any] = {}  # "manager" once admitted
 
@@ -196,53 +227,82 @@ def main() -> int:
 
     threading.Thread(target=watch_finish, name="chaos-finish-watch", daemon=True).start()
     pg, member = init_from_env()
-    manager = Manager(pg, member, sync_timeout=120.0)
-    joined["manager"] = manager
-    log.emit("admitted", member=member.id, epoch=manager.epoch, rank=manager.rank, world_size=manager.world_size)
+    mesh_opt = opts.get("mesh")
+    groups: Any = None
+    if mesh_opt:
+        from ftc10d.train.fsdp import HSDPGroups
+        from ftc10d.train.mesh import HSDPLayout
 
-    guards = Guards(pg, log.emit)
+        groups = HSDPGroups(pg.store, HSDPLayout(*mesh_opt), slot)
+    manager = Manager(pg, member, sync_timeout=120.0, hsdp=groups)
+    joined["manager"] = manager
+    shard: dict[str, Any] = {} if groups is None else {"shard": groups.shard_index}
+    log.emit("admitted", member=member.id, epoch=manager.epoch, rank=manager.rank, world_size=manager.world_size,
+             **shard)
+    # FT-HSDP: guard ops and the vote run among the ranks that train (a rank of an incomplete
+    # replica issues nothing until its replica is whole again).
+    train_pg = pg if groups is None else groups.participants
+    guards = Guards(train_pg, log.emit)
 
     def on_event(kind: str, info: dict[str, Any]) -> None:
         extra: dict[str, Any] = {"member": manager.member.id, "epoch_now": manager.epoch}
         if kind == "recovered":
-            extra["fp"] = manager.fingerprint()
+            extra.update(shard)
+            # FT-HSDP: a replacement receives its shard before it built the sharded model; the
+            # Manager keeps it until fsdp() registers the model: no state to fingerprint yet.
+            if groups is None or manager.registered_fsdp:
+                extra["fp"] = manager.fingerprint()
         log.emit(kind, **info, **extra)
         if kind == "reconfigured":
             guards.check("reconfigured")
 
     manager.add_listener(on_event)
-    ddp = manager.ddp(model)
     die = opts.get("die", {}).get(str(slot))
     if die:
         claim_prefix = f"chaos/{opts['trial']}/"
-        hook = suicide_hook(manager, die, lambda k: _claim(control, claim_prefix + k), log, guards)
+        hook = suicide_hook(manager, die, lambda k: _claim(control, claim_prefix + k), log, guards,
+                            lambda k: _finished(control, claim_prefix + k))
+        hooked = pg if die["op"] == "send" else train_pg
         if die["op"] == "after_vote":
-            pg.register_post_hook(7, hook)
+            hooked.register_post_hook(7, hook)
         else:
-            pg.register_pre_hook(7, hook)
+            hooked.register_pre_hook(7, hook)
+    if groups is None:
+        forward: Callable[[torch.Tensor], torch.Tensor] = manager.ddp(model)
+    else:
+        try:
+            forward, optim = _fsdp(manager, LR)
+        except JobFinished as exc:  # a replacement that arrived as the others finished
+            log.emit("left", reason=str(exc))
+            _exit(log)
     opt = ManagedOptimizer(manager, optim)
     steps = int(opts["steps"])
     interval = float(opts.get("interval", 0.0))
     while manager.step < steps:
-        opt.zero_grad()
+        try:
+            opt.zero_grad()
+        except JobFinished as exc:  # FT-HSDP: waited for its replica while the others finished
+            log.emit("left", reason=str(exc), step=manager.step)
+            _exit(log)
         # Guard ops in flight through the step (invariant 2): outputs no training tensor uses.
         guards.issue(manager.step)
-        x, y = batch_for(manager.step, manager.rank, manager.world_size)
-        loss = nn.functional.cross_entropy(ddp(x), y)
-        loss.backward()
+        x, y = batch_for(manager.step, train_pg.rank(), train_pg.size())
+        with manager.collectives():  # FT-HSDP: a failed collective fails the step (DDP: no-op)
+            loss = nn.functional.cross_entropy(forward(x), y)
+            loss.backward()
         guards.send(manager.step)
         guards.settle(manager.step, manager.note_failure)
         if opt.step():
             log.emit("commit", step=manager.step, fp=manager.fingerprint(), member=manager.member.id,
                      epoch=manager.epoch, commit_epoch=manager.commit_epoch, uuid=pg.uuid,
-                     world_size=manager.world_size)
+                     world_size=manager.world_size, **shard)
         else:
             log.emit("aborted", step=manager.step, member=manager.member.id)
         if interval:
             time.sleep(interval)
     done.set()
     guards.check("exit")
-    log.emit("final", step=manager.step, hash=manager.state_hash(), member=manager.member.id)
+    log.emit("final", step=manager.step, hash=manager.state_hash(), member=manager.member.id, **shard)
     # Stay until every member of the last configuration finished, so that one leaving early
     # does not look like a failure to the others' last step.
     try:

@@ -24,7 +24,7 @@ from types import FrameType
 from typing import Any, Optional
 
 from ftc10d.chaos import netns
-from ftc10d.chaos.schedule import TrialSpec, available_kinds, draw, load_replay, trial_seeds
+from ftc10d.chaos.schedule import TrialSpec, available_kinds, draw, load_replay, mesh_kinds, trial_seeds
 from ftc10d.chaos.trial import TrialResult, run_trial
 
 
@@ -80,7 +80,7 @@ def _print_result(k: int, n: int, r: TrialResult) -> None:
 
 def run(*, trials: int, seed: int, out: str, replay: Optional[str] = None, hosts: int = 1, world_size: int = 4,
         steps: int = 150, heartbeat_timeout: float = 0.75, keep: bool = False, command: str = "",
-        membership: str = "tcp", weights: Optional[dict[str, int]] = None) -> int:
+        membership: str = "tcp", weights: Optional[dict[str, int]] = None, mesh: Optional[list[int]] = None) -> int:
     """Run the trials; returns 0 iff every trial survived. ``membership``: ``tcp`` (the
     coordinator store) or ``etcd`` (each trial starts a 3-member cluster; adds the ``etcd`` fault)."""
     out_dir = Path(out)
@@ -92,11 +92,13 @@ def run(*, trials: int, seed: int, out: str, replay: Optional[str] = None, hosts
         if hosts > 1 and not ok:
             print(f"ftc10d chaos: --hosts {hosts} ignored: {why}; running on one host", file=sys.stderr)
             hosts = 1
-        kinds = available_kinds(hosts, ok, membership)
+        kinds = available_kinds(hosts, ok, membership) if mesh is None else mesh_kinds(mesh[0], membership)
         specs = [draw(s, world_size=world_size, steps=steps, heartbeat_timeout=heartbeat_timeout, hosts=hosts,
-                      kinds=kinds, membership=membership, weights=weights) for s in trial_seeds(seed, trials)]
+                      kinds=kinds, membership=membership, weights=weights, mesh=mesh)
+                 for s in trial_seeds(seed, trials)]
     first = specs[0]
-    print(f"ftc10d chaos: {len(specs)} trial(s), {first.world_size} workers + {first.spares} warm spare(s), "
+    shape = f"{first.mesh[0]}x{first.mesh[1]} FT-HSDP mesh, " if first.mesh else ""
+    print(f"ftc10d chaos: {len(specs)} trial(s), {shape}{first.world_size} workers + {first.spares} warm spare(s), "
           f"{first.steps} steps, heartbeat timeout {first.heartbeat_timeout:g} s, {first.hosts} host(s), "
           f"membership {'3-member etcd' if first.membership == 'etcd' else 'coordinator store'}, out {out_dir}",
           flush=True)

@@ -23,6 +23,9 @@ Kinds (``KINDS``), with ``hb`` the heartbeat timeout:
                   still in flight on Gloo's other thread), so some complete and some fail;
 - ``die_send``    ``slot`` is SIGKILLed at ``at_step``; the survivor that then starts
                   sending the state to the replacement SIGKILLs itself as it sends;
+- ``node``        (``--mesh`` only) every worker of replica ``slot`` is SIGKILLed at once: a
+                  node lost with all its ranks; the other replicas train on, the
+                  replacements receive their shards from them;
 - ``partition``   the network link of host ``slot`` (``--hosts`` > 1, root) is cut for
                   ``duration`` > hb, then restored;
 - ``store``       the coordinator store (``ftc10d coordinator``, a process of its own in
@@ -36,6 +39,14 @@ Kinds (``KINDS``), with ``hb`` the heartbeat timeout:
 ``TrialSpec.membership`` says where the job's membership lives: ``tcp`` (the coordinator
 store, the default) or ``etcd`` (a 3-member cluster on loopback that each trial starts).
 The ``store`` fault (the coordinator TCPStore) is drawn only with ``tcp``, ``etcd`` only with etcd.
+
+``TrialSpec.mesh`` (``[R, S]``, ``ftc10d chaos --mesh RxS``) runs the job as FT-HSDP: FSDP2
+over each replica's S ranks, R fault-tolerant replicas, slot ``k`` at ``divmod(k, S)``. A
+schedule then never takes every replica of one shard index at once (that loses state by
+design: the job raises ``StateLostError``, tested on its own): a ``double``'s two slots hold
+different shard indices, ``node`` takes one replica, and ``die_send`` (the only other holder
+of a shard dies as it sends it) needs R >= 3. The trial injects a fault only once every slot's
+worker has committed a step (the mesh is whole: the last fault's replacements hold their shards).
 """
 
 from __future__ import annotations
@@ -48,7 +59,7 @@ from typing import Any, Optional
 from ftc10d.types import InvalidOptionError
 
 KINDS = ("kill", "stop_short", "stop_long", "slow", "double", "die_vote", "die_after_vote", "die_send", "partition",
-         "store", "etcd")
+         "store", "etcd", "node")
 #: Kinds armed in the job at launch (its ``die`` option): at most one of each per trial.
 ARMED = ("die_vote", "die_after_vote", "die_send")
 #: Where a trial's membership lives: the coordinator TCPStore, or a 3-member etcd cluster.
@@ -103,7 +114,8 @@ class Fault:
             return (f"double@{self.at_step}: kill slot {self.slot} + {self.kind2} slot {self.slot2} "
                     f"{self.gap_s * 1000:.0f} ms later{dur}")
         where = f"host {self.slot}" if self.kind == "partition" else "coordinator" if self.kind == "store" \
-            else f"etcd member {self.slot}" if self.kind == "etcd" else f"slot {self.slot}"
+            else f"etcd member {self.slot}" if self.kind == "etcd" else f"replica {self.slot}" \
+            if self.kind == "node" else f"slot {self.slot}"
         return f"{self.kind}@{self.at_step} {where}{dur}"
 
 @dataclass
@@ -120,6 +132,8 @@ class TrialSpec:
     interval: float = 0.03
     timeout: float = 120.0
     membership: str = "tcp"
+    #: FT-HSDP: ``[replicas, shard_size]`` (``world_size`` is their product); None: DDP.
+    mesh: Optional[list[int]] = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -136,6 +150,8 @@ class TrialSpec:
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in obj.items() if k in known}
         kwargs["faults"] = [Fault.from_json(f) for f in obj["faults"]]
+        if kwargs.get("mesh") is not None:
+            kwargs["mesh"] = list(kwargs["mesh"])
         spec = cls(**kwargs)
         validate(spec)
         return spec
@@ -146,7 +162,9 @@ class TrialSpec:
 
 def validate(spec: TrialSpec) -> None:
     """Raise ScheduleError unless every fault fits the job (slots, steps, hosts)."""
-    if spec.world_size < 3:
+    if spec.mesh is not None:
+        _validate_mesh(spec)
+    elif spec.world_size < 3:
         raise ScheduleError("a chaos trial needs at least 3 workers (a removal must leave a majority)")
     if spec.steps < FIRST_FAULT_STEP + TAIL_STEPS:
         raise ScheduleError(f"a chaos trial needs at least {FIRST_FAULT_STEP + TAIL_STEPS} steps")
@@ -157,7 +175,10 @@ def validate(spec: TrialSpec) -> None:
                             "hosts cannot reach: use --hosts 1 with it")
     for f in spec.faults:
         limit = spec.hosts if f.kind == "partition" else 1 if f.kind == "store" \
-            else ETCD_MEMBERS if f.kind == "etcd" else spec.world_size
+            else ETCD_MEMBERS if f.kind == "etcd" else spec.mesh[0] if f.kind == "node" and spec.mesh \
+            else spec.world_size
+        if f.kind == "node" and spec.mesh is None:
+            raise ScheduleError(f"{f}: a node fault takes a whole replica of an FT-HSDP job (--mesh RxS)")
         if f.kind == "etcd" and spec.membership != "etcd":
             raise ScheduleError(f"{f}: an etcd fault needs the trial's membership in etcd (--membership etcd)")
         if not 0 <= f.slot < limit:
@@ -176,6 +197,37 @@ def validate(spec: TrialSpec) -> None:
             raise ScheduleError(f"{f}: needs a positive duration")
 
 
+def _validate_mesh(spec: TrialSpec) -> None:
+    """A ``--mesh`` trial: the mesh fits, and no fault takes every replica of a shard index."""
+    mesh = spec.mesh or []
+    if len(mesh) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in mesh):
+        raise ScheduleError(f"mesh {mesh!r}: give [replicas, shard_size], two whole numbers >= 1")
+    replicas, shard_size = mesh
+    if replicas < 2:
+        raise ScheduleError(f"mesh {replicas}x{shard_size}: a chaos trial needs at least 2 replicas (with one, "
+                            "any lost rank loses its shard: StateLostError, by design)")
+    if spec.world_size != replicas * shard_size:
+        raise ScheduleError(f"mesh {replicas}x{shard_size} has {replicas * shard_size} workers, not "
+                            f"world_size={spec.world_size}")
+    if spec.hosts != 1:
+        raise ScheduleError("--mesh runs on one host (its node fault is the whole-replica loss)")
+    for f in spec.faults:
+        if f.kind == "die_send" and replicas < 3:
+            raise ScheduleError(f"{f}: with {replicas} replicas the rank that sends a shard is its only other "
+                                "holder; killing it loses the shard by design (needs a mesh of 3 or more replicas)")
+        if f.kind == "double" and f.slot2 is not None and shard_size > 1 and replicas < 3 \
+                and f.slot % shard_size == f.slot2 % shard_size:
+            raise ScheduleError(f"{f}: slots {f.slot} and {f.slot2} hold the same shard index in a mesh of "
+                                f"{replicas} replicas: both gone loses that shard by design")
+
+
+def mesh_kinds(replicas: int, membership: str = "tcp") -> tuple[str, ...]:
+    """The kinds a ``--mesh`` trial draws: no partition (one host), ``node``, and ``die_send``
+    only with a third replica to send the shard after the first sender died."""
+    return tuple(k for k in KINDS if k != "partition" and (k != "die_send" or replicas >= 3)
+                 and (k != "store" or membership == "tcp") and (k != "etcd" or membership == "etcd"))
+
+
 def hosts_of(world_size: int, hosts: int) -> list[int]:
     """Slot -> host: hosts 1..H-1 get one worker each, host 0 (the coordinator's) the rest,
     so that cutting any one host off leaves a strict majority on host 0's side."""
@@ -185,9 +237,14 @@ def hosts_of(world_size: int, hosts: int) -> list[int]:
     return [0] * (world_size - (hosts - 1)) + list(range(1, hosts))
 
 
-def draw_fault(rng: random.Random, kind: str, at_step: int, world_size: int, hb: float, hosts: int) -> Fault:
-    """One fault of ``kind`` at ``at_step``, with its slot(s) and duration drawn from ``rng``."""
+def draw_fault(rng: random.Random, kind: str, at_step: int, world_size: int, hb: float, hosts: int,
+               mesh: Optional[list[int]] = None) -> Fault:
+    """One fault of ``kind`` at ``at_step``, with its slot(s) and duration drawn from ``rng``
+    (``mesh``: a double's second slot holds another shard index when there are two replicas)."""
     slot = rng.randrange(world_size)
+    if kind == "node":
+        assert mesh is not None
+        return Fault(kind, rng.randrange(mesh[0]), at_step)
     if kind == "stop_short":
         return Fault(kind, slot, at_step, round(rng.uniform(0.2, 0.6) * hb, 3))
     if kind == "stop_long":
@@ -195,7 +252,9 @@ def draw_fault(rng: random.Random, kind: str, at_step: int, world_size: int, hb:
     if kind == "slow":
         return Fault(kind, slot, at_step, round(rng.uniform(1.5, 3.0), 3))
     if kind == "double":
-        slot2 = rng.choice([s for s in range(world_size) if s != slot])
+        shard_size = mesh[1] if mesh is not None and mesh[0] < 3 and mesh[1] > 1 else None
+        slot2 = rng.choice([s for s in range(world_size)
+                            if s != slot and (shard_size is None or s % shard_size != slot % shard_size)])
         kind2 = rng.choice(DOUBLE_PARTS)
         duration = round(rng.uniform(2.0, 3.0) * hb, 3) if kind2 == "stop_long" else None
         return Fault(kind, slot, at_step, duration, slot2=slot2, kind2=kind2, gap_s=round(rng.uniform(0, 0.03), 4))
@@ -211,18 +270,21 @@ def draw_fault(rng: random.Random, kind: str, at_step: int, world_size: int, hb:
 def available_kinds(hosts: int, partition_ok: bool, membership: str = "tcp") -> tuple[str, ...]:
     """The kinds a trial can draw: ``partition`` with several hosts, ``store`` (the coordinator
     TCPStore holding the membership) with ``tcp``, ``etcd`` (one of three members) with ``etcd``."""
-    return tuple(k for k in KINDS if (k != "partition" or (hosts > 1 and partition_ok))
+    return tuple(k for k in KINDS if (k != "partition" or (hosts > 1 and partition_ok)) and k != "node"
                  and (k != "store" or membership == "tcp") and (k != "etcd" or membership == "etcd"))
 
 
 def draw(seed: int, *, world_size: int = 4, steps: int = 150, heartbeat_timeout: float = 0.75, hosts: int = 1,
          kinds: Optional[tuple[str, ...]] = None, max_faults: int = 2, membership: str = "tcp",
-         weights: Optional[dict[str, int]] = None, **spec_kwargs: Any) -> TrialSpec:
+         weights: Optional[dict[str, int]] = None, mesh: Optional[list[int]] = None, **spec_kwargs: Any) -> TrialSpec:
     """The trial of ``seed``: 1..``max_faults`` faults at steps far enough apart that the job
     recovers from one before the next (a ``double`` is the at-once case). ``weights``: kind ->
     how many times more often than the others it is drawn (default 1 each; 0 never)."""
     rng = random.Random(seed)
-    kinds = kinds or available_kinds(hosts, False, membership)
+    if mesh is not None:
+        world_size = mesh[0] * mesh[1]
+    if not kinds:
+        kinds = mesh_kinds(mesh[0], membership) if mesh is not None else available_kinds(hosts, False, membership)
     weights = weights or {}
     unknown = sorted(set(weights) - set(KINDS))
     if unknown or any(not isinstance(w, int) or w < 0 for w in weights.values()):
@@ -237,13 +299,13 @@ def draw(seed: int, *, world_size: int = 4, steps: int = 150, heartbeat_timeout:
     for i in range(count):
         lo = FIRST_FAULT_STEP + i * span
         at = rng.randint(lo, max(lo, lo + span - 6))
-        faults.append(draw_fault(rng, rng.choice(pool), at, world_size, heartbeat_timeout, hosts))
+        faults.append(draw_fault(rng, rng.choice(pool), at, world_size, heartbeat_timeout, hosts, mesh))
     # die_* arm the job at launch: at most one of each per trial, and one per slot.
     seen: set[Any] = set()
     faults = [f for f in faults if f.kind not in ARMED or not (
         f.kind in seen or (f.kind != "die_send" and f.slot in seen) or seen.update({f.kind, f.slot}))]
     spec = TrialSpec(seed, faults, world_size=world_size, steps=steps, heartbeat_timeout=heartbeat_timeout,
-                     hosts=hosts, membership=membership, **spec_kwargs)
+                     hosts=hosts, membership=membership, mesh=list(mesh) if mesh is not None else None, **spec_kwargs)
     validate(spec)
     return spec
 

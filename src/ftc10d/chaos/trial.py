@@ -27,6 +27,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -45,6 +46,8 @@ TICK_S = 0.01
 SLOW_PERIOD_S, SLOW_STOPPED = 0.1, 0.5
 #: A fault whose slot has no live worker (being replaced) waits this long, then is skipped.
 RETARGET_S = 15.0
+#: ``--mesh``: a worker that committed within this many seconds trains (steps take ~0.1 s).
+WHOLE_S = 1.0
 #: Never a configuration of fewer (a lone worker cut off, or left behind, must not train on alone).
 MIN_MEMBERS = 2
 
@@ -114,6 +117,8 @@ class Trial:
         self.notes: list[str] = []
         self.killed: set[int] = set()
         self.t_close = float("inf")
+        #: pid -> when it last committed (``--mesh``: a fault waits until every slot trains).
+        self.last_commit: dict[int, float] = {}
 
     # ------------------------------------------------------------ launching
 
@@ -121,7 +126,8 @@ class Trial:
         die: dict[str, Any] = {}
         for f in self.spec.faults:
             if f.kind in ("die_vote", "die_after_vote"):
-                die[str(f.slot)] = {"op": "vote" if f.kind == "die_vote" else "after_vote", "after_step": f.at_step}
+                die[str(f.slot)] = {"op": "vote" if f.kind == "die_vote" else "after_vote", "after_step": f.at_step,
+                                    "gated": self.spec.mesh is not None}
             elif f.kind == "die_send":
                 for s in range(self.spec.world_size):
                     if s != f.slot and str(s) not in die:
@@ -149,7 +155,7 @@ class Trial:
             slots = [s for s, h in enumerate(self.host_of) if h == host]
             opts = {"out": str(self.folder), "trial": self.trial_id, "steps": self.spec.steps,
                     "interval": self.spec.interval, "world": self.spec.world_size, "rank_base": slots[0], "die": die,
-                    "min_members": MIN_MEMBERS}
+                    "min_members": MIN_MEMBERS, "mesh": self.spec.mesh}
             env = {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "FTC10D_CHAOS_OPTS": json.dumps(opts),
                    "FTC10D_FLIGHT_RECORDER": "0"}
             if self.spec.hosts > 1:
@@ -202,9 +208,11 @@ class Trial:
     def _inject(self, inj: Injected) -> bool:
         """Fire ``inj``'s fault now if its target is there; False to try again next tick."""
         f, now = inj.fault, time.time()
-        targets = [f.slot, f.slot2] if f.kind == "double" else [] \
-            if f.kind in ("partition", "die_vote", "die_after_vote", "store", "etcd") else [f.slot]
+        targets = [f.slot, f.slot2] if f.kind == "double" else self._replica_slots(f.slot) if f.kind == "node" \
+            else [] if f.kind in ("partition", "die_vote", "die_after_vote", "store", "etcd") else [f.slot]
         if any(self._pid(s) is None for s in targets if s is not None):
+            return False
+        if self.spec.mesh is not None and not self._mesh_whole(now):
             return False
         if f.kind == "etcd" and not self._etcd_whole(f.slot):
             return False  # one of three at a time: a second one down would take the quorum away
@@ -213,6 +221,9 @@ class Trial:
         if f.kind in ("kill", "die_send"):
             inj.pids = [self._signal(f.slot, signal.SIGKILL)]
             inj.t_end = now
+        elif f.kind == "node":
+            inj.pids = [self._signal(s, signal.SIGKILL) for s in targets]
+            inj.t_end = time.time()
         elif f.kind in ("stop_short", "stop_long"):
             pid = self._signal(f.slot, signal.SIGSTOP)
             inj.pids = [pid]
@@ -250,6 +261,36 @@ class Trial:
             inj.pids = [p for s, h in enumerate(self.host_of) if h == f.slot and (p := self._pid(s)) is not None]
             self._at(now + (f.duration or 2 * hb), lambda: self._heal(inj, f.slot))
         self.say(f"  t+{now - self.t0:5.1f}s step {self.job_step}: {f}")
+        return True
+
+    def _arm(self, inj: Injected) -> bool:
+        """``--mesh``: let the worker armed with ``inj`` (die_vote / die_after_vote) die now (the
+        job's hook waits for this key); False if the store is unreachable (next tick again)."""
+        import torch.distributed as dist
+
+        op = "vote" if inj.fault.kind == "die_vote" else "after_vote"
+        host, _, port = self.launchers[0].coordinator_address.rpartition(":")
+        try:
+            store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=2))
+            store.set(f"chaos/{self.trial_id}/armed/{op}", "1")
+        except Exception:  # a store fault in progress
+            return False
+        self.say(f"  t+{time.time() - self.t0:5.1f}s step {self.job_step}: armed {inj.fault}")
+        return True
+
+    def _replica_slots(self, replica: int) -> list[int]:
+        assert self.spec.mesh is not None
+        shard_size = self.spec.mesh[1]
+        return list(range(replica * shard_size, (replica + 1) * shard_size))
+
+    def _mesh_whole(self, now: float) -> bool:
+        """``--mesh``: every slot's worker committed within :data:`WHOLE_S`: the mesh is whole and
+        trains (the last fault's replacements received their shards), so a fault never takes the
+        last holder of a shard whose new holder is still on its way."""
+        for s in range(self.spec.world_size):
+            pid = self._pid(s)
+            if pid is None or now - self.last_commit.get(pid, 0.0) > WHOLE_S:
+                return False
         return True
 
     def _at(self, t: float, fn: Callable[[], None]) -> None:
@@ -316,6 +357,9 @@ class Trial:
         self.job_step = 0
         injected = [Injected(f) for f in sorted(spec.faults, key=lambda f: f.at_step)]
         pending = [i for i in injected if i.fault.kind not in ("die_vote", "die_after_vote")]
+        # --mesh: a die in the vote is armed only once the mesh is whole (like an injected fault):
+        # else it could take the last holder of a shard whose replacement is still on its way.
+        to_arm = [i for i in injected if spec.mesh is not None and i.fault.kind in ("die_vote", "die_after_vote")]
         violations: list[str] = []
         rc: Optional[int] = None
         chain: Optional[dict[int, list[str]]] = None
@@ -335,10 +379,14 @@ class Trial:
                         self.pids.add(int(e["pid"]))
                     if e["kind"] == "commit":
                         self.job_step = max(self.job_step, int(e["step"]))
+                        self.last_commit[int(e["pid"])] = float(e["t"])
                 now = time.time()
                 for item in sorted([t for t in self.timers if t[0] <= now], key=lambda t: t[0]):
                     self.timers.remove(item)
                     item[1]()
+                if to_arm and self.job_step >= to_arm[0].fault.at_step and self._mesh_whole(now) \
+                        and self._arm(to_arm[0]):
+                    to_arm.pop(0)
                 while pending and self.job_step >= pending[0].fault.at_step:
                     inj = pending[0]
                     if self.job_step >= spec.steps - 3:
@@ -349,6 +397,8 @@ class Trial:
                             break
                         inj.skipped = (f"an earlier etcd fault's member was not healthy again for {RETARGET_S:g} s"
                                        if inj.fault.kind == "etcd" else
+                                       f"the mesh was not whole (a slot's worker not training) for {RETARGET_S:g} s"
+                                       if spec.mesh is not None else
                                        f"no live worker in the slot for {RETARGET_S:g} s")
                     pending.pop(0)
                 for launcher in self.launchers:
@@ -404,6 +454,12 @@ class Trial:
             violations.append(f"the job failed: launcher exit code {rc}")
         violations += self._unexpected_exits(events)
         violations += checks.check_commits(events, spec.steps)
+        if spec.mesh is not None:
+            held = {e.get("shard") for e in events if e["kind"] == "final"}
+            lost = [k for k in range(spec.mesh[1]) if k not in held]
+            if lost:
+                violations.append(f"no worker finished holding shard(s) {lost} of the "
+                                  f"{spec.mesh[0]}x{spec.mesh[1]} mesh")
         violations += checks.check_fencing(events, chain,
                                            store_restarted=any(i.fault.kind == "store" and i.t_fault for i in injected))
         violations += checks.check_lineage(events, _sigkilled(injected))
@@ -528,6 +584,8 @@ def _sigkilled(injected: list[Injected]) -> dict[int, float]:
             continue
         if inj.fault.kind in ("kill", "die_send", "double") and inj.pids[0] is not None:
             out[int(inj.pids[0])] = float(inj.t_fault)
+        if inj.fault.kind == "node":
+            out.update((int(p), float(inj.t_fault)) for p in inj.pids if p is not None)
         if inj.fault.kind == "double" and inj.fault.kind2 == "kill" and len(inj.pids) > 1 and inj.pids[1]:
             out[int(inj.pids[1])] = float(inj.t_end or inj.t_fault)
     return out

@@ -38,7 +38,14 @@ import torch.distributed as dist
 
 from ftc10d.pg import ProcessGroup
 from ftc10d.train.mesh import HSDPLayout, Placement
-from ftc10d.types import InvalidOptionError, NotConfiguredError, ProcessGroupAborted, ReconfigureTimeoutError
+from ftc10d.types import (
+    InvalidOptionError,
+    MembershipTimeoutError,
+    NotConfiguredError,
+    ProcessGroupAborted,
+    ReconfigureTimeoutError,
+    StateLostError,
+)
 
 logger = logging.getLogger("ftc10d")
 
@@ -281,7 +288,11 @@ def recover_shards(manager: Any, cfg: Any, deadline: float) -> bool:
     if held < job_step:
         manager._wait_for_state(cfg, held, job_step, closed_step, deadline)
         return False
-    plans = shard_plans(placement, rows)  # StateLostError: a shard has no holder left
+    try:
+        plans = shard_plans(placement, rows)
+    except StateLostError as lost:  # no live rank here holds some shard: wait for one to come back
+        _wait_for_holder(manager, cfg, lost, deadline)
+        return False
     trains = groups.configure(placement, pg.uuid, pg.rank(), pg)
     plan = plans.get(groups.shard_index) if placement.coords(pg.rank()) is not None else None
     if plan is not None:
@@ -302,6 +313,24 @@ def recover_shards(manager: Any, cfg: Any, deadline: float) -> bool:
         manager.member.wait_next(cfg.epoch, timeout=max(deadline - time.monotonic(), 0.001))
         return False
     return True
+
+
+def _wait_for_holder(manager: Any, cfg: Any, lost: StateLostError, deadline: float) -> None:
+    """No rank of configuration ``cfg`` holds some shard at the job's state. Its holders were
+    removed, but one removed on suspicion (frozen, starved past the heartbeat timeout, cut
+    off) is not dead: it finds itself fenced when it runs again and rejoins with its shard,
+    the same committed state (``Manager._on_fenced``). Training on without it would start a
+    second history, so every rank (all compute the same plans) waits for the next
+    configuration, then plans again; after ``sync_timeout`` the shard is lost: StateLostError.
+    The same rule as the DDP path (``Manager._wait_for_state``)."""
+    logger.error("manager: %s; waiting up to %.0f s for a rank holding it to come back", lost,
+                 max(deadline - time.monotonic(), 0.0))
+    manager._emit("state_lost", epoch=cfg.epoch, error=str(lost))
+    try:
+        manager.member.wait_next(cfg.epoch, timeout=max(deadline - time.monotonic(), 0.001))
+    except MembershipTimeoutError:
+        raise StateLostError(f"{lost}. No rank holding it came back within the Manager's sync_timeout "
+                             f"({manager.sync_timeout:g} s)") from None
 
 
 def _target(placement: Placement, rows: list[tuple[int, bool, int, int, bool]]) -> tuple[int, int]:

@@ -235,7 +235,7 @@ def shard_plans(placement: "Placement", rows: Sequence[tuple[Any, ...]]) -> dict
             raise StateLostError(
                 f"shard {index} of the {lay.replicas}x{lay.shard_size} mesh is lost: the job is at (epoch, step) "
                 f"{target}, and {have} (every replica that held this shard is gone); "
-                "restore the job from a checkpoint")
+                "restore the job from a checkpoint")  # recover_shards first waits for a holder to come back
         if plan is not None:
             plans[index] = plan
     return plans
