@@ -254,6 +254,9 @@ def coordinator(args: argparse.Namespace) -> int:
              "node, a majority of nnodes x nproc-per-node on several)"),
     arg("--log-dir", default=None, metavar="DIR",
         help="write each worker's stdout/stderr to DIR/worker<slot>.<restart>.out|.err (default: inherit)"),
+    arg("--gpus-per-node", type=int, default=None, metavar="G",
+        help="GPUs this node's workers share (default: those visible); with more workers than GPUs each "
+             "worker gets its own NCCL_HOSTID, so that NCCL ranks can share a GPU"),
     arg("script", help="the training script (a Python file); it calls ftc10d.train.init_from_env()"),
     arg("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script"),
 )
@@ -275,7 +278,7 @@ def launch(args: argparse.Namespace) -> int:
         membership_endpoints=None if args.membership_endpoints is None else args.membership_endpoints.split(","),
         host=args.host,
         port=args.port, nnodes=args.nnodes, node_rank=args.node_rank, heartbeat_timeout=args.heartbeat_timeout,
-        min_members=args.min_members, log_dir=args.log_dir,
+        min_members=args.min_members, log_dir=args.log_dir, gpus_per_node=args.gpus_per_node,
     )
     try:
         config.validate()

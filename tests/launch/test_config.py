@@ -10,7 +10,7 @@ import pytest
 
 from ftc10d import InvalidOptionError
 from ftc10d.launch import LaunchConfig
-from ftc10d.launch.env import base_env, worker_env
+from ftc10d.launch.env import base_env, visible_gpus, worker_env
 from ftc10d.launch.spare import scan_imports
 from ftc10d.train.bootstrap import WorkerEnv
 
@@ -34,6 +34,7 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "record_env.py")
     ({"token": ""}, "token is empty"),
     ({"env": {"A=B": "x"}}, "is not NAME=string"),
     ({"membership_endpoints": []}, "--membership-endpoints is empty"),
+    ({"gpus_per_node": -1}, "--gpus-per-node must be 0 or more"),
     ({"membership_endpoints": ["127.0.0.1:2379"]}, "is not an etcd client URL; give http://HOST:PORT"),
     ({"membership_endpoints": ["http://h:2379", "http://h:2379/"]}, "names an endpoint twice"),
 ])
@@ -159,3 +160,24 @@ def test_cli_rejects_a_bad_etcd_endpoint_with_a_hint() -> None:
                           "http://127.0.0.1:2379,127.0.0.1:2381", SCRIPT], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "'127.0.0.1:2381' is not an etcd client URL; give http://HOST:PORT" in out.stderr, out.stderr
+
+
+def test_ranks_sharing_a_gpu_get_distinct_nccl_host_ids_and_others_none() -> None:
+    """NCCL refuses two ranks on one GPU of one host ("Duplicate GPU detected") unless their
+    NCCL_HOSTID differ (issue 17): the launcher sets one per slot, keeping the host's name
+    (ranks of different machines never look like one host) and a user's own value."""
+    def ids(environ: dict, **changes: object) -> list:
+        cfg = LaunchConfig(script=SCRIPT, nproc_per_node=3, **changes)  # type: ignore[arg-type]
+        return [worker_env(cfg, local_rank=k, restart=0, coordinator="127.0.0.1:1", launch_id="x",
+                           environ=environ).get("NCCL_HOSTID") for k in range(3)]
+
+    shared = ids({}, gpus_per_node=1)
+    assert len(set(shared)) == 3 and all(h is not None and h.endswith(f"-node0-slot{k}") for k, h in enumerate(shared))
+    assert ids({"NCCL_HOSTID": "rackA"}, gpus_per_node=1, node_rank=0) == [f"rackA-node0-slot{k}" for k in range(3)]
+    assert ids({}, gpus_per_node=3) == [None] * 3  # one GPU each: NCCL's default host id
+    assert ids({}, gpus_per_node=0) == [None] * 3  # no GPU: no NCCL
+    assert ids({"CUDA_VISIBLE_DEVICES": "0"}) == shared  # auto: one visible GPU, three ranks
+    assert ids({"NCCL_HOSTID": "mine"}, gpus_per_node=4) == ["mine"] * 3  # not sharing: the user's, untouched
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1"}) == 2
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == 0
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "1,-1,2"}) == 1  # CUDA stops at the first invalid entry

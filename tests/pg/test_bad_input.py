@@ -91,8 +91,12 @@ def test_bad_reconfigure_input_is_typed_and_harmless() -> None:
 
 def test_constructor_and_helper_errors() -> None:
     store = harness.host_store()
-    with pytest.raises(ftc10d.InvalidOptionError, match="not supported"):
-        ftc10d.ProcessGroup(store, 0, 1, backend="nccl")
+    with pytest.raises(ftc10d.InvalidOptionError, match=r"backend 'mpi' is not supported; choose one of \['gloo', "
+                       r"'nccl'\]"):
+        ftc10d.ProcessGroup(store, 0, 1, backend="mpi")
+    if not torch.cuda.is_available():  # tests/pg/test_nccl.py covers the other side on a GPU
+        with pytest.raises(ftc10d.InvalidOptionError, match="backend 'nccl': .*Use backend='gloo'"):
+            ftc10d.ProcessGroup(store, 0, 1, backend="nccl")
     with pytest.raises(ftc10d.InvalidOptionError, match="positive"):
         ftc10d.ProcessGroup(store, 0, 1, timeout=timedelta(seconds=-1))
     with pytest.raises(ftc10d.InvalidOptionError, match="rank 3"):

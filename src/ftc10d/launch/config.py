@@ -51,6 +51,10 @@ class LaunchConfig:
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Optional[str] = None
     python: str = sys.executable
+    #: GPUs this node's workers share (None: those visible, ``CUDA_VISIBLE_DEVICES`` or CUDA's
+    #: count). More workers than GPUs means ranks share a GPU: NCCL then needs a distinct
+    #: ``NCCL_HOSTID`` per rank (else "Duplicate GPU detected"), which the launcher sets.
+    gpus_per_node: Optional[int] = None
 
     @property
     def world_size(self) -> int:
@@ -89,6 +93,8 @@ class LaunchConfig:
                                      "0 never respawns a failed worker")
         if self.nnodes < 1:
             raise InvalidOptionError(f"--nnodes must be at least 1 (got {self.nnodes})")
+        if self.gpus_per_node is not None and self.gpus_per_node < 0:
+            raise InvalidOptionError(f"--gpus-per-node must be 0 or more (got {self.gpus_per_node}); 0: no GPU")
         if not 0 <= self.node_rank < self.nnodes:
             raise InvalidOptionError(f"--node-rank must be in [0, {self.nnodes}) (got {self.node_rank}); "
                                      "number the nodes 0..nnodes-1")

@@ -9,6 +9,7 @@ ranks follow membership order (``ftc10d.train.init_from_env``).
 from __future__ import annotations
 
 import os
+import socket
 from typing import Mapping, Optional
 
 from ftc10d.launch.config import LaunchConfig
@@ -27,7 +28,9 @@ from ftc10d.train.bootstrap import (
 RESTART_ENV = "FTC10D_RESTART_COUNT"
 
 #: Variables that depend on the slot (everything else is common to the node's workers and spares).
-SLOT_VARS = ("RANK", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT", RESTART_ENV)
+SLOT_VARS = ("RANK", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT", RESTART_ENV, "NCCL_HOSTID")
+#: NCCL's host identity: ranks sharing one GPU must differ in it (``shared_gpu_host_id``).
+NCCL_HOSTID = "NCCL_HOSTID"
 
 
 def base_env(config: LaunchConfig, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
@@ -46,6 +49,38 @@ def base_env(config: LaunchConfig, environ: Optional[Mapping[str, str]] = None) 
         env.pop(MEMBERSHIP_ENDPOINTS_ENV, None)
         env.pop(MEMBERSHIP_PREFIX_ENV, None)
     return env
+
+
+def visible_gpus(environ: Mapping[str, str]) -> int:
+    """GPUs a worker of this node sees: ``CUDA_VISIBLE_DEVICES`` if set, else CUDA's count
+    (0 without CUDA); read without creating a CUDA context in the launcher."""
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        devices = []
+        for d in (x.strip() for x in listed.split(",")):
+            if not d or d == "-1":  # CUDA stops at the first invalid entry
+                break
+            devices.append(d)
+        return len(devices)
+    try:
+        import torch
+
+        return int(torch.cuda.device_count())
+    except Exception:  # no CUDA, or a driver problem: no GPU for the launcher's purpose
+        return 0
+
+
+def shared_gpu_host_id(config: LaunchConfig, local_rank: int, env: Mapping[str, str]) -> Optional[str]:
+    """The ``NCCL_HOSTID`` of slot ``local_rank`` when this node runs more workers than it has
+    GPUs (several NCCL ranks on one GPU), else None. NCCL refuses two ranks of one
+    communicator on one GPU of one host ("Duplicate GPU detected"); with distinct host ids it
+    connects them over its network transport. The real host name stays in it, so that ranks
+    of different machines never look like one host."""
+    gpus = config.gpus_per_node if config.gpus_per_node is not None else visible_gpus(env)
+    if gpus < 1 or config.nproc_per_node <= gpus:
+        return None
+    base = env.get(NCCL_HOSTID) or socket.gethostname()
+    return f"{base}-node{config.node_rank}-slot{local_rank}"
 
 
 def worker_env(
@@ -78,6 +113,9 @@ def worker_env(
         HEARTBEAT_ENV: repr(float(config.heartbeat_timeout)),
         MIN_MEMBERS_ENV: str(config.effective_min_members),
     })
+    host_id = shared_gpu_host_id(config, local_rank, env)
+    if host_id is not None:
+        env[NCCL_HOSTID] = host_id
     if config.membership_endpoints is not None and membership_prefix:
         env[MEMBERSHIP_PREFIX_ENV] = membership_prefix
     token = config.effective_token

@@ -12,8 +12,8 @@ Store layout of a rendezvous (keys under the group's store)::
                                    "used:<sig>" once the members have met (reuse detection)
     ftc10d/cfg/<uuid>/rank/<r>     "<handle>|<global rank>" written by rank r on arrival (compare_set),
                                    or "!abandoned|<why>" once a member gave the rendezvous up
-    ftc10d/cfg/<uuid>/gloo/...     Gloo's own keys, and "ep/<r>": rank r's socket endpoints;
-                                   "aborted/<r>" why rank r aborted; "failed": the dead peer
+    ftc10d/cfg/<uuid>/<adapter>/...  the backend's own keys (``gloo``: also "ep/<r>", rank r's socket
+                                   endpoints); "aborted/<r>" why rank r aborted; "failed": the dead peer
     ftc10d/init/count/<r>          how many groups rank r bootstrapped on this store
     ftc10d/init/<n>/...            the same layout for the n-th initial configuration
 """
@@ -31,10 +31,10 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from ftc10d._compat import work_exception
-from ftc10d.pg.gloo import GlooCommunicator
+from ftc10d.pg.backend import Communicator, FailureKind
 from ftc10d.pg.handles import Plan
 from ftc10d.pg.observer import OpRecord
-from ftc10d.pg.work import HELPER_WAIT_OPS, backend_done, backend_timeout
+from ftc10d.pg.work import backend_done, backend_timeout
 from ftc10d.types import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -60,14 +60,11 @@ KEY_ROOT = "ftc10d"
 #: that happens (was 1 s: stalls of 1.2-1.3 s in the chaos runs), and still tens of times
 #: the few milliseconds a cut op takes to fail on a loaded 2-core machine.
 ABORT_DRAIN_TIMEOUT = timedelta(seconds=0.25)
-_PEER_ERROR_MARKERS = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused",
-                       "Read error", "Write error", "EOF")
 
 
-def is_communication_failure(exc: BaseException) -> bool:
+def is_communication_failure(exc: BaseException, comm: Communicator) -> bool:
     """Whether a backend error is a failed connection or a timeout (vs. rejected arguments)."""
-    text = str(exc)
-    return "timed out" in text.lower() or any(marker in text for marker in _PEER_ERROR_MARKERS)
+    return comm.classify(exc) in (FailureKind.TIMEOUT, FailureKind.PEER_CLOSED)
 
 
 def _label(uuid: Optional[int]) -> str:
@@ -84,7 +81,7 @@ class Generation:
         size: int,
         handles: tuple[str, ...],
         global_ranks: tuple[int, ...],
-        comm: GlooCommunicator,
+        comm: Communicator,
         store: dist.Store,
         fire_abort_hooks: Callable[[], None],
     ) -> None:
@@ -126,13 +123,13 @@ class Generation:
         pending = self._pending
         # Completed works hold their tensors: let them go as soon as possible.
         while pending and backend_done(pending[0][0], pending[0][2]):
-            _settle(*pending.popleft()[:2])
+            _settle(*pending.popleft()[:2], self.comm)
         pending.append((inner, entry, work))
         if len(pending) > 64:  # a long-running op at the front blocks front pruning
             keep: deque[tuple[Any, Optional[OpRecord], Any]] = deque()
             for item in pending:
                 if backend_done(item[0], item[2]):
-                    _settle(*item[:2])
+                    _settle(*item[:2], self.comm)
                 else:
                     keep.append(item)
             self._pending = keep
@@ -145,7 +142,7 @@ class Generation:
         """Report completions of pending works to their records (for a dump)."""
         for inner, entry, work in list(self._pending):
             if entry is not None and not entry.settled and backend_done(inner, work):
-                _settle(inner, entry)
+                _settle(inner, entry, self.comm)
 
     def wait_aborted(self) -> None:
         """Return once this generation's abort (started by its first failure, maybe on
@@ -170,13 +167,14 @@ class Generation:
             return self.aborted_error(op, seq)
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         where = f"{op} #{seq} of {self.label} (rank {self.rank} of {self.size})"
-        if "timed out" in text.lower():
+        kind = self.comm.classify(exc)
+        if kind == FailureKind.TIMEOUT:
             err: CollectiveError = CollectiveTimeoutError(
                 f"{where} timed out: {text}. The configuration was aborted; a peer is probably frozen, "
                 "partitioned or slow. Reconfigure with a fresh uuid to continue.",
                 op=op, seq=seq, uuid=self.uuid, error_type=ErrorType.TIMEOUT,
             )
-        elif any(marker in text for marker in _PEER_ERROR_MARKERS):
+        elif kind == FailureKind.PEER_CLOSED:
             peer, why, closer_aborted = self._root_cause(text)
             who = f"peer rank {peer}" if peer is not None else "a peer"
             if closer_aborted:
@@ -225,7 +223,7 @@ class Generation:
         try:
             if self.store.check(["failed"]):  # a member already named the dead peer
                 return int(self.store.get("failed")), "failed", False
-            closer = self.comm.peer_of_endpoint(text)
+            closer = self.comm.peer_of(text)
             if closer is not None and self.store.check([f"aborted/{closer}"]):
                 reason = self.store.get(f"aborted/{closer}").decode()
                 return None, f"peer rank {closer} aborted the configuration ({reason})", True
@@ -270,13 +268,16 @@ class Generation:
                 self._fire_abort_hooks()
         finally:
             self.aborted = True
+            # An adapter whose cut does not fail the pending ops (NCCL): those not completed now
+            # are abandoned after the cut, whatever their backend wait says then.
+            running = None if self.comm.cut_fails_ops else self._running()
             cut = 0
             try:
-                cut = self.comm.shutdown_pairs()
+                cut = self.comm.cut()
             except Exception:  # the drain and the waiters' release must happen whatever this did
                 logger.exception("%s: cutting the connections failed", self.label)
             try:
-                self._drain()
+                self._drain(running)
             finally:
                 self._abort_done.set()
         logger.info(
@@ -296,12 +297,16 @@ class Generation:
         that had already finished, made every reconfigure after such an abort wait out the
         op timeout: issue 14's 30-s join stall).
         """
-        holder = [self.backend]
-        self.backend = self.comm.backend = None
+        holder = [self.comm.retire()]
+        self.backend = None
         if holder[0] is not None:
             threading.Thread(target=_release, args=(holder,), name="ftc10d-retire", daemon=True).start()
 
-    def _drain(self) -> None:
+    def _running(self) -> set[int]:
+        """ids of the backend works of the ops in flight not completed now."""
+        return {id(inner) for inner, _, work in list(self._pending) if not backend_done(inner, work)}
+
+    def _drain(self, running: Optional[set[int]] = None) -> None:
         """Wait for the ops in flight, whose connections were just cut, to fail; abandon
         those still running at ``ABORT_DRAIN_TIMEOUT``.
 
@@ -316,13 +321,22 @@ class Generation:
         abandoned = 0
         while self._pending:
             inner, entry, work = self._pending.popleft()
+            if running is not None and id(inner) in running:
+                # ``running``: the ops not completed when an abort that does not fail them began
+                # (``Communicator.cut_fails_ops``): whatever their backend says, they failed.
+                abandoned += 1
+                if entry is not None:
+                    entry.fail("aborted")
+                if work is not None:
+                    work.abandon(self.aborted_error(work.op, work.seq))
+                continue
             if backend_done(inner, work):
                 # Done: it can write nothing more. And Gloo's send/recv works must not be waited
                 # twice: a second wait() blocks until the op's timeout (found by the chaos guards).
-                _settle(inner, entry)
+                _settle(inner, entry, self.comm)
                 continue
             left = deadline - time.monotonic()
-            if work is not None and work.op in HELPER_WAIT_OPS:
+            if work is not None and work.helper_waited:
                 # Through the Work's one backend wait: a second Gloo wait on a send/recv that
                 # completed meanwhile would block until the op's timeout.
                 finished = work.p2p_backend_wait().wait(max(left, 0.0))
@@ -334,7 +348,7 @@ class Generation:
                 finished = inner.is_completed()
             if finished:
                 if entry is not None and not entry.settled:
-                    helper = work is not None and work.op in HELPER_WAIT_OPS
+                    helper = work is not None and work.helper_waited
                     if (work._p2p_outcome if helper else work_exception(inner)) is None:  # type: ignore[union-attr]
                         entry.complete()
                     else:  # failing is what we expect of them
@@ -351,20 +365,22 @@ class Generation:
                            "move no more data)", self.label, abandoned, ABORT_DRAIN_TIMEOUT)
 
 
-def _settle(inner: Any, entry: Optional[OpRecord]) -> None:
+def _settle(inner: Any, entry: Optional[OpRecord], comm: Communicator) -> None:
     if entry is None or entry.settled:  # usually wait() got there first: nothing to ask the backend
         return
     exc = work_exception(inner)
     if exc is None:
         entry.complete()
     else:
-        text = str(exc)
-        if "timed out" in text.lower():
-            entry.fail("timeout")
-        elif any(marker in text for marker in _PEER_ERROR_MARKERS):
-            entry.fail("peer failure")
-        else:
-            entry.fail("communication error")
+        kind = comm.classify(exc)
+        entry.fail("timeout" if kind == FailureKind.TIMEOUT else "peer failure" if kind == FailureKind.PEER_CLOSED
+                   else "communication error")
+
+
+def _default_adapter() -> type[Communicator]:
+    from ftc10d.pg.gloo import GlooCommunicator
+
+    return GlooCommunicator
 
 
 def _release(holder: list[Any]) -> None:
@@ -575,8 +591,9 @@ def rendezvous(
     op_timeout: timedelta,
     fire_abort_hooks: Callable[[], None],
     pending: Optional[PendingRendezvous] = None,
+    adapter: Optional[type[Communicator]] = None,
 ) -> Generation:
-    """Meet every member of ``plan`` and connect a new Gloo communicator.
+    """Meet every member of ``plan`` and connect a new communicator of ``adapter`` (Gloo's by default).
 
     ``pending`` (built by the caller before the call) lets another thread give the
     rendezvous up while it waits (:meth:`PendingRendezvous.abandon`).
@@ -623,9 +640,10 @@ def rendezvous(
     finally:
         # From here on the uuid counts as used, whatever happens.
         store.set(f"{prefix}/sig", f"used:{sig}")
-    gen_store = dist.PrefixStore(f"{prefix}/gloo", store)
+    adapter = adapter or _default_adapter()
+    gen_store = dist.PrefixStore(f"{prefix}/{adapter.name}", store)
     try:
-        comm = GlooCommunicator(gen_store, plan.rank, plan.size, plan.timeout)
+        comm = adapter.connect(gen_store, plan.rank, plan.size, plan.timeout)
     except RuntimeError as exc:  # Gloo's connectFullMesh: a member died or froze after it arrived
         raise ReconfigureConnectError(
             f"reconfigure to uuid {plan.uuid}: all {plan.size} members arrived but connecting them failed "
@@ -633,7 +651,7 @@ def rendezvous(
             "that are alive and a fresh uuid"
         ) from exc
     if op_timeout != plan.timeout:
-        comm.backend.set_timeout(op_timeout)
+        comm.set_timeout(op_timeout)
     return Generation(
         plan.uuid, plan.rank, plan.size, plan.handles, tuple(global_ranks), comm, gen_store, fire_abort_hooks
     )
@@ -647,6 +665,7 @@ def bootstrap(
     global_rank: int,
     timeout: timedelta,
     fire_abort_hooks: Callable[[], None],
+    adapter: Optional[type[Communicator]] = None,
 ) -> Generation:
     """The initial configuration of a group built with ``enable_reconfigure=False``:
     ranks come from the constructor, like ``ProcessGroupGloo``."""
@@ -660,6 +679,7 @@ def bootstrap(
     values = [v.decode().partition("|") for v in store.multi_get(keys)]
     handles = tuple(v[0] for v in values)
     global_ranks = tuple(int(v[2]) for v in values)
-    gen_store = dist.PrefixStore(f"{prefix}/gloo", store)
-    comm = GlooCommunicator(gen_store, rank, size, timeout)
+    adapter = adapter or _default_adapter()
+    gen_store = dist.PrefixStore(f"{prefix}/{adapter.name}", store)
+    comm = adapter.connect(gen_store, rank, size, timeout)
     return Generation(None, rank, size, handles, global_ranks, comm, gen_store, fire_abort_hooks)

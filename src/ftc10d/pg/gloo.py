@@ -34,10 +34,28 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 
+from ftc10d.pg.backend import Communicator, FailureKind
+
 logger = logging.getLogger("ftc10d")
 
 _CONNECT_LOCK = threading.Lock()
 _ENDPOINT_RE = re.compile(r"\[([0-9a-fA-F.:]+)\]:(\d+)")
+#: What Gloo's errors say when a connection to a peer failed.
+PEER_ERROR_MARKERS = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused",
+                      "Read error", "Write error", "EOF")
+#: Gloo's send/recv works: no future (``Work::getFuture not implemented``), and a second
+#: backend wait on a completed one blocks until its timeout, so they are waited once
+#: (``Work.p2p_backend_wait``).
+P2P_OPS = frozenset({"send", "recv", "recv_anysource"})
+#: Gloo's reduce-scatter works (both forms, CPU): the result is copied into the output by
+#: ``wait()`` itself, on every call; the work never reports ``is_completed()``, has no future,
+#: and its wait ignores a timeout (measured on torch 2.11-2.15). So such an op is waited in the
+#: backend once, on a helper thread, like send/recv (``p2p_backend_wait``): a second wait would
+#: copy the result again over whatever the caller wrote there since (FSDP2 writes the averaged
+#: gradient into that very buffer), and a caller stuck in the backend's wait could not be
+#: released by an abort (a resumed SIGSTOPped rank waited there for the op's whole timeout).
+#: It counts as completed once that wait returned.
+WAIT_COMPLETES_OPS = frozenset({"reduce_scatter", "reduce_scatter_tensor"})
 
 
 def _socket_inodes() -> dict[int, int]:
@@ -121,8 +139,17 @@ def _create_device() -> dist.ProcessGroupGloo.Device:
     return dist.ProcessGroupGloo.create_default_device()
 
 
-class GlooCommunicator:
+class GlooCommunicator(Communicator):
     """One connected ``ProcessGroupGloo`` and the means to cut it off."""
+
+    name = "gloo"
+    device = "cpu"
+    helper_wait_ops = P2P_OPS | WAIT_COMPLETES_OPS
+    wait_completes_ops = WAIT_COMPLETES_OPS
+
+    @classmethod
+    def connect(cls, store: dist.Store, rank: int, size: int, timeout: timedelta) -> "GlooCommunicator":
+        return cls(store, rank, size, timeout)
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
         opts = dist.ProcessGroupGloo._Options()
@@ -151,6 +178,22 @@ class GlooCommunicator:
     @property
     def num_pairs(self) -> int:
         return len(self._pairs)
+
+    def classify(self, exc: BaseException) -> FailureKind:
+        text = str(exc)
+        if "timed out" in text.lower():
+            return FailureKind.TIMEOUT
+        if any(marker in text for marker in PEER_ERROR_MARKERS):
+            return FailureKind.PEER_CLOSED
+        if isinstance(exc, (TypeError, ValueError)):
+            return FailureKind.REJECTED_ARGS
+        return FailureKind.OTHER
+
+    def peer_of(self, text: str) -> Optional[int]:
+        return self.peer_of_endpoint(text)
+
+    def cut(self) -> int:
+        return self.shutdown_pairs()
 
     def shutdown_pairs(self) -> int:
         """Shut down every pair socket still open; returns how many were cut.

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch._C._distributed_c10d as _c10d
 
+from ftc10d.pg import backend as _backend
 from ftc10d.pg import handles as _handles
 from ftc10d.pg import signature as _signature
 from ftc10d.pg.generation import (
@@ -55,7 +56,6 @@ from ftc10d.types import (
 logger = logging.getLogger("ftc10d")
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
-BACKENDS = ("gloo",)
 _NO_TIMEOUT = timedelta(0)
 _group_ids = itertools.count()
 
@@ -114,8 +114,10 @@ class ProcessGroup(dist.ProcessGroup):
         check_collectives: Optional[bool] = None,
         _torch_files_it: bool = False,
     ) -> None:
-        if backend not in BACKENDS:
-            raise InvalidOptionError(f"backend {backend!r} is not supported; choose one of {list(BACKENDS)}")
+        adapter = _backend.adapter(backend)  # InvalidOptionError naming the adapters
+        why = adapter.unavailable()
+        if why:
+            raise InvalidOptionError(why)
         if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
             raise InvalidOptionError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
         if not enable_reconfigure and not 0 <= rank < world_size:
@@ -127,6 +129,8 @@ class ProcessGroup(dist.ProcessGroup):
         self._init_rank = rank
         self._init_size = world_size
         self._backend_name = backend
+        #: The communicator class of every generation of this group (``ftc10d.pg.backend``).
+        self._adapter = adapter
         self._check_collectives = (
             _signature.enabled_from_env() if check_collectives is None else bool(check_collectives)
         )
@@ -162,7 +166,8 @@ class ProcessGroup(dist.ProcessGroup):
         if not enable_reconfigure:
             c10d.note_rank(rank)
             self._gen = bootstrap(
-                store, self._handle, rank, world_size, c10d.global_rank(self), timeout, self._fire_abort_hooks
+                store, self._handle, rank, world_size, c10d.global_rank(self), timeout, self._fire_abort_hooks,
+                self._adapter,
             )
             self._gen.on_error = self._notify_error
             c10d.update_ranks(self)
@@ -284,7 +289,7 @@ class ProcessGroup(dist.ProcessGroup):
                                               side=self._side)
             try:
                 gen = rendezvous(self._store, plan, c10d.global_rank(self), self._timeout, self._fire_abort_hooks,
-                                 self._pending)
+                                 self._pending, self._adapter)
             finally:
                 self._pending = None
             gen.on_error = self._notify_error
@@ -497,9 +502,10 @@ class ProcessGroup(dist.ProcessGroup):
                 entry.fail("rejected arguments")
             raise  # bad arguments: the backend said so, nothing failed
         except Exception as exc:
+            comm_failed = is_communication_failure(exc, gen.comm)
             if entry is not None:
-                entry.fail("rejected arguments" if not is_communication_failure(exc) else "communication error")
-            if not is_communication_failure(exc):
+                entry.fail("communication error" if comm_failed else "rejected arguments")
+            if not comm_failed:
                 # Gloo validates arguments with RuntimeError: bad input, the configuration is fine.
                 raise InvalidOptionError(f"{op}: the backend rejected the arguments: {exc}") from exc
             raise gen.on_failure(op, seq, exc, abort_inline=True) from exc  # connection broken at issue time
@@ -520,7 +526,7 @@ class ProcessGroup(dist.ProcessGroup):
                 entry.fail("collective mismatch")
             raise
         except Exception as exc:
-            if not is_communication_failure(exc):
+            if not is_communication_failure(exc, gen.comm):
                 raise
             if entry is not None:
                 entry.fail("communication error")

@@ -146,7 +146,8 @@ def split(parent: ProcessGroup, new_ranks: Any, timeout: Optional[timedelta] = N
     if gen.rank not in ranks:
         return None
     store = _child_store(parent, ranks, kind="split")
-    child = ProcessGroup(store, ranks.index(gen.rank), len(ranks), timeout=timeout or parent.timeout)
+    child = ProcessGroup(store, ranks.index(gen.rank), len(ranks), timeout=timeout or parent.timeout,
+                         backend=parent._backend_name)
     if group_desc:
         child._set_group_desc(group_desc)
     _adopt(parent, child)

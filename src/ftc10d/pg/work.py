@@ -18,6 +18,7 @@ while a helper thread does the backend's one wait (Gloo gives them no future).
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -33,21 +34,6 @@ if TYPE_CHECKING:
     from ftc10d.pg.observer import OpRecord
 
 
-#: Gloo's send/recv works: no future (``Work::getFuture not implemented``), and a second
-#: backend wait on a completed one blocks until its timeout, so they are waited once
-#: (``Work.p2p_backend_wait``).
-P2P_OPS = frozenset({"send", "recv", "recv_anysource"})
-#: Gloo's reduce-scatter works (both forms, CPU): the result is copied into the output by
-#: ``wait()`` itself, on every call; the work never reports ``is_completed()``, has no future,
-#: and its wait ignores a timeout (measured on torch 2.11-2.15). So such an op is waited in the
-#: backend once, on a helper thread, like send/recv (``p2p_backend_wait``): a second wait would
-#: copy the result again over whatever the caller wrote there since (FSDP2 writes the averaged
-#: gradient into that very buffer), and a caller stuck in the backend's wait could not be
-#: released by an abort (a resumed SIGSTOPped rank waited there for the op's whole timeout).
-#: It counts as completed once that wait returned.
-WAIT_COMPLETES_OPS = frozenset({"reduce_scatter", "reduce_scatter_tensor"})
-#: Ops waited once in the backend, on a helper thread (see P2P_OPS and WAIT_COMPLETES_OPS).
-HELPER_WAIT_OPS = P2P_OPS | WAIT_COMPLETES_OPS
 #: How often a collective's untimed wait() looks whether an abort abandoned its op.
 _WAIT_SLICE = timedelta(seconds=0.05)
 
@@ -56,7 +42,7 @@ def backend_done(inner: Any, work: Optional["Work"]) -> bool:
     """Whether the backend's ``inner`` work (under ftc10d's ``work``) can write nothing more."""
     if inner.is_completed():
         return True
-    if work is None or work.op not in WAIT_COMPLETES_OPS:
+    if work is None or not work.wait_completes:
         return False
     finished = work._p2p_finished
     return finished is not None and finished.is_set()
@@ -94,6 +80,10 @@ class Work(dist.Work):
         #: Called once that backend wait returned (a reduce-scatter's future, see get_future).
         self._p2p_done: Optional[Any] = None
         self._wake: Optional[threading.Event] = None
+        comm = gen.comm
+        #: The adapter's capabilities for this op (``Communicator.helper_wait_ops``, ``wait_completes_ops``).
+        self.helper_waited = op in comm.helper_wait_ops
+        self.wait_completes = op in comm.wait_completes_ops
 
     # -- introspection used by hooks and the flight recorder
     @property
@@ -108,6 +98,24 @@ class Work(dist.Work):
     def uuid(self) -> Optional[int]:
         return self._gen.uuid
 
+    def _poll(self, timeout: Optional[timedelta]) -> None:
+        """Wait on the CPU until the backend completed the op (``Communicator.poll_wait``: its
+        own wait returns before that), in slices growing to 1 ms; an abort that abandons the op
+        ends it with ``ProcessGroupAborted``. Then the backend's wait (its error, stream order)."""
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        pause = 1e-5
+        while not self._inner.is_completed():
+            if self._error is not None:  # abandoned
+                self._gen.wait_aborted()
+                raise self._error from None
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError(f"Operation timed out after {timeout} (Work.wait timeout)")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        if self._error is not None:
+            raise self._error from None
+        self._inner.wait()
+
     def _translate(self, exc: BaseException, *, abort_inline: bool) -> CollectiveError:
         if self._error is None:
             self._error = self._gen.on_failure(self._op, self._seq, exc, abort_inline=abort_inline)
@@ -120,8 +128,10 @@ class Work(dist.Work):
             raise self._error
         untimed = timeout is None or timeout == timedelta(0)
         try:
-            if untimed and self._op in HELPER_WAIT_OPS:
+            if untimed and self.helper_waited:
                 self._wait_p2p()  # the one backend wait: again after completion, it returns at once
+            elif self._gen.comm.poll_wait:
+                self._poll(None if untimed else timeout)
             elif untimed:
                 # In slices, so that an abort that abandons the op releases us within one.
                 # A slice that ends leaves the backend's work untouched (no side effect on a
@@ -140,7 +150,7 @@ class Work(dist.Work):
                         if self._error is not None:  # abandoned
                             self._gen.wait_aborted()
                             raise self._error from None
-            elif self._op in HELPER_WAIT_OPS:
+            elif self.helper_waited:
                 assert timeout is not None
                 if not self.p2p_backend_wait().wait(timeout.total_seconds()):
                     raise RuntimeError(f"Operation timed out after {timeout} (Work.wait timeout)")
@@ -158,7 +168,7 @@ class Work(dist.Work):
 
     def p2p_backend_wait(self) -> threading.Event:
         """Start the one backend wait of this send/recv (or Gloo reduce-scatter,
-        ``WAIT_COMPLETES_OPS``), on a helper thread, unless it started; the event is set once
+        ``Communicator.wait_completes_ops``), on a helper thread, unless it started; the event is set once
         it returned (outcome in ``_p2p_outcome``).
 
         Gloo gives send/recv no future, a timed wait that ends marks their work failed
@@ -225,7 +235,7 @@ class Work(dist.Work):
         if abandoned:
             gate.set_result(self._error)
             return fut
-        if self._op in WAIT_COMPLETES_OPS:  # Gloo gives none: completed by the one backend wait
+        if self.wait_completes:  # Gloo gives none: completed by the one backend wait
             self._p2p_done = self._relay_helper
             if self.p2p_backend_wait().is_set():
                 self._relay_helper()
@@ -258,7 +268,7 @@ class Work(dist.Work):
         self._finish()
 
     def _relay_helper(self) -> None:
-        """The future of a WAIT_COMPLETES_OPS op, from its helper's backend wait."""
+        """The future of a ``wait_completes_ops`` op, from its helper's backend wait."""
         if self._fut_set:
             return
         outcome = self._p2p_outcome
