@@ -28,7 +28,7 @@ STAMP212 := $(VENV212)/.ftc10d-installed
 STAMP215 := $(VENV215)/.ftc10d-installed
 
 .DEFAULT_GOAL := help
-.PHONY: help etcd venv venv214 venv211 venv212 venv215 test test-torch214 test-torch211 test-torch212 test-torch215 demo demo-hsdp bench clean distclean
+.PHONY: gpu-check help etcd venv venv214 venv211 venv212 venv215 test test-torch214 test-torch211 test-torch212 test-torch215 demo demo-hsdp bench clean distclean
 
 help:  ## list the targets
 	@echo "make demo            train on 4 workers while one is killed and one frozen; watch it recover in place"
@@ -39,6 +39,7 @@ help:  ## list the targets
 	@echo "make test-torch212   ... on torch $(TORCH212_VERSION) (in $(VENV212); a CUDA build from the registry, GBs)"
 	@echo "make test-torch215   ... on torch $(TORCH215_VERSION) (in $(VENV215); a CUDA build from the registry, GBs)"
 	@echo "make bench           run the scripts in benchmarks/"
+	@echo "make gpu-check       NCCL adapter checks and benchmarks on this machine's GPU and torch (installs nothing)"
 	@echo "make venv            only build $(VENV)"
 	@echo "make clean           remove build outputs and caches (keeps the virtualenvs)"
 	@echo "make distclean       clean, and remove the virtualenvs too"
@@ -117,3 +118,9 @@ clean:
 
 distclean: clean
 	rm -rf $(VENV) $(VENV214) $(VENV211) $(VENV212) $(VENV215)
+
+# The GPU machines lent to this project carry their own torch (2.11, CUDA, NCCL) and reach no
+# package registry: run with the python that has it, install nothing. Skips without CUDA.
+GPU_PYTHON ?= python3
+gpu-check:  ## NCCL adapter checks and benchmarks on one GPU (issue 17)
+	PYTHONPATH=src:. timeout 360 $(GPU_PYTHON) benchmarks/gpu_check.py
