@@ -111,8 +111,9 @@ def test_mesh_trial_node_loss_and_a_fault_in_each_replica(tmp_path: Path) -> Non
 
 
 def test_mesh_trial_the_source_dies_as_it_sends_a_shard(tmp_path: Path) -> None:
-    """``--mesh 3x2``: slot 1 (replica 0, shard 1) SIGKILLed; the rank of a live replica that
-    starts sending shard 1 to the replacement SIGKILLs itself as it sends; the third replica's
+    """``--mesh 3x2``: slot 1 (replica 0, shard 1) SIGKILLed; the first rank of a live replica
+    that starts sending a shard after it (shard 1 to the replacement, or shard 0 to slot 0,
+    behind after waiting for its replica) SIGKILLs itself as it sends; the third replica's
     holder sends it instead. (With two replicas that sender is the only holder: state lost by
     design, so schedules draw this fault only with three or more.)"""
     spec = {"seed": 1, "world_size": 6, "mesh": [3, 2], "steps": 60, "timeout": 150,
@@ -122,6 +123,10 @@ def test_mesh_trial_the_source_dies_as_it_sends_a_shard(tmp_path: Path) -> None:
     files = (out / "trials").glob("*/events/*.jsonl")
     events = [json.loads(line) for f in files for line in f.read_text().splitlines()]
     died = [e for e in events if e["kind"] == "suicide"]
-    assert died and died[0]["op"] == "send" and died[0]["slot"] in (3, 5), died  # a live holder of shard 1
+    # the first sender of a shard after the kill: of shard 1 to slot 1's replacement, or of shard 0
+    # to slot 0, which waited while its replica was incomplete and fell behind
+    assert died and died[0]["op"] == "send" and died[0]["slot"] in (2, 3, 4, 5), died
     got = [e for e in events if e["kind"] == "recovered" and e["slot"] == 1 and int(e["step"]) >= 15]
     assert got and got[0]["shard"] == 1, got  # the replacement received shard 1 all the same
+    after = [e for e in events if e["kind"] == "recovered" and float(e["t"]) > died[0]["t"]]
+    assert after, "a rank received its shard after the sender died"
