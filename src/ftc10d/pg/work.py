@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ftc10d._compat import work_exception
+from ftc10d.pg.helpers import BACKEND_WAITS
 from ftc10d.pg.observer import error_kind
 from ftc10d.types import CollectiveError
 
@@ -195,7 +196,7 @@ class Work(dist.Work):
                 if done is not None:
                     done()
 
-        threading.Thread(target=run, name="ftc10d-p2p-wait", daemon=True).start()
+        BACKEND_WAITS.submit(run)  # an idle helper thread, or a new one (ftc10d.pg.helpers)
         return finished
 
     def _wait_p2p(self) -> None:
