@@ -109,3 +109,27 @@ def test_an_adapter_whose_abort_does_not_fail_ops_still_fails_their_waits() -> N
     assert res[0]["sum"] == res[1]["sum"] == 3.0
     assert res[0]["waited"] == "ProcessGroupAborted", res[0]
     assert 0.2 < res[0]["released_s"] < 10 and res[0]["completed"], res[0]
+
+
+def _subgroups_inherit(rank: int, world: int, port: int) -> dict:
+    _register()
+    import torch.distributed as dist
+
+    pg = ftc10d.init_process_group("gloo-like-nccl", store=harness.client_store(port), rank=rank, world_size=world,
+                                   timeout=timedelta(seconds=30))
+    sub = dist.new_group([0, 1])
+    split = pg.split_group([0, 1])
+    t = torch.ones(4)
+    dist.all_reduce(t, group=sub)
+    out = {"sub": sub._backend_name, "split": split._backend_name, "sum": float(t[0]),  # type: ignore[union-attr]
+           "poll": sub.generation.comm.poll_wait}  # type: ignore[union-attr]
+    dist.destroy_process_group()
+    return out
+
+
+def test_sub_groups_use_their_parents_adapter() -> None:
+    """``dist.new_group`` and ``split_group`` on an ftc10d default group carry the parent's
+    tensors: they get the parent's adapter, not Gloo's by default."""
+    res = harness.run(_subgroups_inherit, 2)
+    for r in (0, 1):
+        assert res[r] == {"sub": "gloo-like-nccl", "split": "gloo-like-nccl", "sum": 2.0, "poll": True}, res

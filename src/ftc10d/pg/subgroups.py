@@ -61,7 +61,9 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroup:
         store = _child_store(parent, ranks)
     else:  # the default group itself (dist.init_process_group("ftc10d")), or a non-ftc10d parent
         parent, store = None, opts.store
-    pg = ProcessGroup(store, int(opts.group_rank), int(opts.group_size), timeout=timeout,
+    # a sub-group carries its parent's tensors: the same adapter (ftc10d.pg.backend)
+    backend = parent._backend_name if parent is not None else "gloo"
+    pg = ProcessGroup(store, int(opts.group_rank), int(opts.group_size), timeout=timeout, backend=backend,
                       enable_reconfigure=enable_reconfigure and parent is None, _torch_files_it=True)
     if parent is not None:
         _adopt(parent, pg)
