@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from datetime import timedelta
+from typing import Callable
 
 import torch
 
@@ -55,12 +56,20 @@ def _allreduce_then_kill(rank: int, world: int, port: int) -> dict:
     return out
 
 
-def run_kill() -> dict:
-    job = harness.start(_allreduce_then_kill, 3)
+def _survivors(worker: Callable[[int, int, int], dict], resume: bool = False) -> dict:
+    """Run ``worker`` on 3 ranks; the results of ranks 0 and 1 (rank 2 is the one the fault hits:
+    SIGCONTed at the end with ``resume``)."""
+    job = harness.start(worker, 3)
     try:
         return job.collect([0, 1], timeout=180)
     finally:
+        if resume:
+            job.signal(2, signal.SIGCONT)
         job.close()
+
+
+def run_kill() -> dict:
+    return _survivors(_allreduce_then_kill)
 
 
 def check_kill(res: dict) -> list[str]:
@@ -111,12 +120,7 @@ def _frozen_then_abort(rank: int, world: int, port: int) -> dict:
 
 
 def run_frozen() -> dict:
-    job = harness.start(_frozen_then_abort, 3)
-    try:
-        return job.collect([0, 1], timeout=180)
-    finally:
-        job.signal(2, signal.SIGCONT)
-        job.close()
+    return _survivors(_frozen_then_abort, resume=True)
 
 
 def check_frozen(res: dict) -> list[str]:

@@ -265,7 +265,7 @@ def _uncuttable_group(rank: int, world: int, port: int, timeout_s: float) -> ftc
         time.sleep(300)
     gen = pg.generation
     assert gen is not None
-    gen.comm.shutdown_pairs = lambda: 0  # type: ignore[method-assign]
+    gen.comm.cut = lambda: 0  # type: ignore[method-assign]
     return pg
 
 

@@ -60,6 +60,8 @@ KEY_ROOT = "ftc10d"
 #: that happens (was 1 s: stalls of 1.2-1.3 s in the chaos runs), and still tens of times
 #: the few milliseconds a cut op takes to fail on a loaded 2-core machine.
 ABORT_DRAIN_TIMEOUT = timedelta(seconds=0.25)
+#: How a flight-recorder entry names a failure the backend reported after the fact.
+_ENTRY_FAILURE = {FailureKind.TIMEOUT: "timeout", FailureKind.PEER_CLOSED: "peer failure"}
 
 
 def is_communication_failure(exc: BaseException, comm: Communicator) -> bool:
@@ -372,15 +374,7 @@ def _settle(inner: Any, entry: Optional[OpRecord], comm: Communicator) -> None:
     if exc is None:
         entry.complete()
     else:
-        kind = comm.classify(exc)
-        entry.fail("timeout" if kind == FailureKind.TIMEOUT else "peer failure" if kind == FailureKind.PEER_CLOSED
-                   else "communication error")
-
-
-def _default_adapter() -> type[Communicator]:
-    from ftc10d.pg.gloo import GlooCommunicator
-
-    return GlooCommunicator
+        entry.fail(_ENTRY_FAILURE.get(comm.classify(exc), "communication error"))
 
 
 def _release(holder: list[Any]) -> None:
@@ -590,10 +584,10 @@ def rendezvous(
     global_rank: int,
     op_timeout: timedelta,
     fire_abort_hooks: Callable[[], None],
+    adapter: type[Communicator],
     pending: Optional[PendingRendezvous] = None,
-    adapter: Optional[type[Communicator]] = None,
 ) -> Generation:
-    """Meet every member of ``plan`` and connect a new communicator of ``adapter`` (Gloo's by default).
+    """Meet every member of ``plan`` and connect a new communicator of ``adapter``.
 
     ``pending`` (built by the caller before the call) lets another thread give the
     rendezvous up while it waits (:meth:`PendingRendezvous.abandon`).
@@ -640,7 +634,6 @@ def rendezvous(
     finally:
         # From here on the uuid counts as used, whatever happens.
         store.set(f"{prefix}/sig", f"used:{sig}")
-    adapter = adapter or _default_adapter()
     gen_store = dist.PrefixStore(f"{prefix}/{adapter.name}", store)
     try:
         comm = adapter.connect(gen_store, plan.rank, plan.size, plan.timeout)
@@ -665,7 +658,7 @@ def bootstrap(
     global_rank: int,
     timeout: timedelta,
     fire_abort_hooks: Callable[[], None],
-    adapter: Optional[type[Communicator]] = None,
+    adapter: type[Communicator],
 ) -> Generation:
     """The initial configuration of a group built with ``enable_reconfigure=False``:
     ranks come from the constructor, like ``ProcessGroupGloo``."""
@@ -679,7 +672,6 @@ def bootstrap(
     values = [v.decode().partition("|") for v in store.multi_get(keys)]
     handles = tuple(v[0] for v in values)
     global_ranks = tuple(int(v[2]) for v in values)
-    adapter = adapter or _default_adapter()
     gen_store = dist.PrefixStore(f"{prefix}/{adapter.name}", store)
     comm = adapter.connect(gen_store, rank, size, timeout)
     return Generation(None, rank, size, handles, global_ranks, comm, gen_store, fire_abort_hooks)

@@ -189,13 +189,7 @@ class GlooCommunicator(Communicator):
             return FailureKind.REJECTED_ARGS
         return FailureKind.OTHER
 
-    def peer_of(self, text: str) -> Optional[int]:
-        return self.peer_of_endpoint(text)
-
     def cut(self) -> int:
-        return self.shutdown_pairs()
-
-    def shutdown_pairs(self) -> int:
         """Shut down every pair socket still open; returns how many were cut.
 
         Never raises: an abort that raised half-way would leave the configuration's
@@ -212,7 +206,7 @@ class GlooCommunicator(Communicator):
                     pass  # already disconnected
         return cut
 
-    def peer_of_endpoint(self, message: str) -> Optional[int]:
+    def peer_of(self, message: str) -> Optional[int]:
         """Map the ``[ip]:port`` named in a Gloo error to the rank that owned it."""
         m = _ENDPOINT_RE.search(message)
         if m is None:

@@ -289,7 +289,7 @@ class ProcessGroup(dist.ProcessGroup):
                                               side=self._side)
             try:
                 gen = rendezvous(self._store, plan, c10d.global_rank(self), self._timeout, self._fire_abort_hooks,
-                                 self._pending, self._adapter)
+                                 self._adapter, self._pending)
             finally:
                 self._pending = None
             gen.on_error = self._notify_error
