@@ -347,3 +347,20 @@ def test_mesh_states_compare_per_shard() -> None:
     events[0]["fp"] = "f1-0"
     events[-1]["hash"] = "x"  # pid 4's final state (shard 1)
     assert any("differ at the end (shard 1)" in p for p in checks.check_commits(events, 2))
+
+
+def test_a_step_rolled_forward_counts_as_committed_and_is_compared() -> None:
+    """FT-HSDP: a rank whose vote of step 3 failed while it completed elsewhere applies step 3
+    at recovery (``rolled_forward``, commit epoch in ``epoch``): not a skipped step, and its
+    state is compared with the others' step 3."""
+    events = good_run()
+    events = [e for e in events if not (e["pid"] == 2 and e["kind"] == "commit" and e["step"] == 3)]
+    for e in events:
+        if e["kind"] == "commit":
+            e["commit_epoch"] = 1
+    rolled = ev(2, "rolled_forward", 3.03, step=3, epoch=1, fp="f3")
+    events.append(rolled)
+    events.sort(key=lambda e: (e["pid"], e["t"]))  # each process's events in its own order
+    assert checks.check_commits(events, 5) == []
+    rolled["fp"] = "other"
+    assert any("replicas differ after committed step 3 in epoch 1" in p for p in checks.check_commits(events, 5))

@@ -79,13 +79,17 @@ def check_commits(events: list[dict[str, Any]], steps: int) -> list[str]:
                 cur = s
                 if "fp" in e:
                     fps[(s, e.get("epoch"), e.get("shard"))][e["fp"]].append(pid)
-            elif e["kind"] == "commit":
+            elif e["kind"] in ("commit", "rolled_forward"):
+                # rolled_forward (FT-HSDP): the step whose vote failed here but completed on others,
+                # applied at recovery with this rank's kept gradients: a commit of that step
                 s = int(e["step"])
                 if cur is not None and s != cur + 1:
                     what = "applied twice" if s <= cur else "skipped"
                     problems.append(f"pid {pid} committed step {s} after step {cur}: a step was {what}")
                 cur = s
-                fps[(s, e.get("commit_epoch"), e.get("shard"))][e["fp"]].append(pid)
+                epoch = e.get("commit_epoch") if e["kind"] == "commit" else e.get("epoch")
+                if "fp" in e:
+                    fps[(s, epoch, e.get("shard"))][e["fp"]].append(pid)
     for key in sorted(fps, key=lambda k: (k[0], str(k[1]), str(k[2]))):
         s, epoch, shard = key
         if len(fps[key]) > 1:

@@ -246,7 +246,7 @@ def main() -> int:
 
     def on_event(kind: str, info: dict[str, Any]) -> None:
         extra: dict[str, Any] = {"member": manager.member.id, "epoch_now": manager.epoch}
-        if kind == "recovered":
+        if kind in ("recovered", "rolled_forward"):
             extra.update(shard)
             # FT-HSDP: a replacement receives its shard before it built the sharded model; the
             # Manager keeps it until fsdp() registers the model: no state to fingerprint yet.
