@@ -75,6 +75,27 @@ def test_max_restarts_exhausted_fails_the_job(tmp_path: Path) -> None:
     assert len(records(tmp_path)) == 3
 
 
+def test_a_slot_that_gives_up_stops_the_job(tmp_path: Path) -> None:
+    """As torchrun: slot 1 exits 1 every time and has 1 restart, slot 0 would sleep for ever.
+    Once slot 1 gave up, ``ftc10d launch`` stops slot 0 and exits 1, naming the slot and its last exit."""
+    cmd = [sys.executable, "-m", "ftc10d", "-v", "launch", "--nproc-per-node", "2", "--max-restarts", "1",
+           RECORD, str(tmp_path), "--sleep", "--exit", "1", "--exit-rank", "1"]
+    proc = subprocess.Popen(cmd, env=child_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # its workers die with it (PR_SET_PDEATHSIG)
+        raise AssertionError(f"the launcher still runs 60 s after its start; stderr: {proc.communicate()[1]}")
+    # every worker the launcher started, from its event lines ("started slot 0 pid 123 ...")
+    workers = {int(ln.split(" pid ")[1].split()[0]): ln for ln in err.splitlines()
+               if ln.startswith(("ftc10d launch: started", "ftc10d launch: respawned"))}
+    assert proc.returncode == 1, err
+    assert len(workers) == 3, err  # slot 0, and slot 1 twice
+    assert not [pid for pid in workers if alive(pid)], f"workers left running; stderr: {err}"
+    assert "slot 1 gave up: its worker" in err and "(exit code 1)" in err, err
+    assert [ln for ln in err.splitlines() if "gave_up slot 1" in ln and "returncode=1" in ln], err
+
+
 def test_warm_spare_is_promoted_and_replaced(tmp_path: Path) -> None:
     with Launcher(config(tmp_path, "--sleep", nproc_per_node=2, spares=1)) as launcher:
         wait_for(lambda: len(records(tmp_path)) == 2, 30, "2 workers")

@@ -75,7 +75,7 @@ class LaunchEvent:
     """Something the launcher did or saw. ``detail`` by kind:
     exited ``{"returncode", "signal"}``; reported ``{"epoch"}``; respawned ``{"warm", "restart"}``;
     finished ``{"returncode"}``; spare_ready ``{"ready_s"}``; started ``{"restart", "warm"}``;
-    gave_up ``{"restarts"}``."""
+    gave_up ``{"restarts", "returncode", "signal", "stop_job"}`` (the job then stops)."""
 
     kind: str
     slot: Optional[int]
@@ -248,8 +248,8 @@ class Launcher:
         return pid
 
     def wait(self, timeout: Optional[float] = None) -> int:
-        """Block until every slot's worker exited 0 (-> 0) or the job cannot go on
-        (-> nonzero: 1, or 128+signal after :meth:`stop`). TimeoutError on timeout."""
+        """Block until every slot's worker exited 0 (-> 0) or the job cannot go on (-> nonzero:
+        1 when a slot gave up, EXIT_STOP_JOB, or 128+signal after :meth:`stop`). TimeoutError on timeout."""
         if self._thread is None:
             raise RuntimeError("start() the launcher first")
         if not self._done.wait(timeout):
@@ -588,45 +588,36 @@ class Launcher:
         if rc == 0:
             slot.state = "done"
             logger.info("launcher: slot %d: worker %d finished", slot.index, proc.pid)
-        elif rc == EXIT_STOP_JOB:
-            # The worker found that the job itself cannot go on (e.g. ReplicaDivergenceError): a
-            # replacement would only join a job that is stopping, or train on a wrong state.
-            slot.state = "gave_up"
-            logger.error("launcher: slot %d: worker %d exited with %d (EXIT_STOP_JOB: the job cannot go on, see its "
-                         "output): stopping the job", slot.index, proc.pid, rc)
-            self._emit("gave_up", slot.index, proc.pid, restarts=slot.restarts, stop_job=True)
-            self._shutdown(signal.SIGTERM)
-            self._finish(EXIT_STOP_JOB)
-            return
-        elif slot.restarts < self.config.max_restarts:
+        elif rc != EXIT_STOP_JOB and slot.restarts < self.config.max_restarts:
             logger.warning("launcher: slot %d: worker %d died (%s); respawning that slot only", slot.index, proc.pid,
                            _signal_name(rc) or f"exit code {rc}")
             slot.restarts += 1
             self._start_worker(slot)
             self._refill_spares()
         else:
-            slot.state = "gave_up"
-            logger.error("launcher: slot %d: worker %d died (%s) and the slot used its %d restart(s): giving it up",
-                         slot.index, proc.pid, _signal_name(rc) or f"exit code {rc}", self.config.max_restarts)
-            self._emit("gave_up", slot.index, proc.pid, restarts=slot.restarts)
-            alive = sum(s.state != "gave_up" for s in self._slots)
-            whole_job = self.config.nnodes == 1 and self.config.coordinator is None  # else others may hold members
-            if whole_job and alive < self.config.effective_min_members and any(s.state == "running"
-                                                                                for s in self._slots):
-                logger.error("launcher: only %d slot(s) left, below min_members=%d: stopping the job", alive,
-                             self.config.effective_min_members)
-                self._shutdown(signal.SIGTERM)
-                self._finish(1)
-                return
-        if all(s.state != "running" for s in self._slots):
-            failed = [s.index for s in self._slots if s.state == "gave_up"]
-            if failed:
-                logger.error("launcher: job failed: slot(s) %s gave up after %d restart(s)", failed,
-                             self.config.max_restarts)
-            else:
-                logger.info("launcher: job finished: every slot's worker exited 0")
+            self._give_up(slot, proc, rc)
+            return
+        if all(s.state == "done" for s in self._slots):
+            logger.info("launcher: job finished: every slot's worker exited 0")
             self._shutdown(signal.SIGTERM)
-            self._finish(1 if failed else 0)
+            self._finish(0)
+
+    def _give_up(self, slot: _Slot, proc: _Proc, rc: int) -> None:
+        """End the job for a slot that cannot go on, as torchrun does: stop the other workers
+        (SIGTERM, SIGKILL after the grace) and exit 1, or EXIT_STOP_JOB when the worker said
+        so (e.g. ReplicaDivergenceError: a replacement would only receive a wrong state)."""
+        slot.state = "gave_up"
+        if rc == EXIT_STOP_JOB:
+            logger.error("launcher: slot %d: worker %d exited with %d (EXIT_STOP_JOB: the job cannot go on, see its "
+                         "output): stopping the job", slot.index, proc.pid, rc)
+        else:
+            logger.error("launcher: slot %d gave up: its worker %d died (%s) and the slot used its %d restart(s): "
+                         "stopping the job", slot.index, proc.pid, _signal_name(rc) or f"exit code {rc}",
+                         self.config.max_restarts)
+        self._emit("gave_up", slot.index, proc.pid, restarts=slot.restarts, returncode=rc, signal=_signal_name(rc),
+                   stop_job=rc == EXIT_STOP_JOB)
+        self._shutdown(signal.SIGTERM)
+        self._finish(EXIT_STOP_JOB if rc == EXIT_STOP_JOB else 1)
 
     def _refill_spares(self) -> None:
         """Start spares (in the background: they import on their own) up to ``config.spares``."""
