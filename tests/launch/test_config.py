@@ -89,6 +89,7 @@ def test_worker_env_is_torchrun_compatible_and_parsed_by_the_bootstrap() -> None
     expected = {
         "RANK": "6", "LOCAL_RANK": "2", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
         "NODE_RANK": "1", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29400", "TORCHELASTIC_RESTART_COUNT": "3",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "FTC10D_RESTART_COUNT": "3", "FTC10D_COORDINATOR": "10.1.2.3:29400", "FTC10D_LAUNCH_ID": "abc",
         "FTC10D_HEARTBEAT_TIMEOUT": "0.5", "FTC10D_MIN_MEMBERS": "3", "FTC10D_TOKEN": "s3cret", "EXTRA": "1",
         "PATH": "/bin",

@@ -96,6 +96,21 @@ def test_a_slot_that_gives_up_stops_the_job(tmp_path: Path) -> None:
     assert [ln for ln in err.splitlines() if "gave_up slot 1" in ln and "returncode=1" in ln], err
 
 
+@pytest.mark.parametrize("backend", ["ftc10d", "gloo"])
+def test_a_plain_init_process_group_script_runs_under_ftc10d_launch(tmp_path: Path, backend: str) -> None:
+    """``dist.init_process_group(backend)`` with the default env://: every rank connects to the
+    launcher's store (MASTER_PORT) as a client, as under torchrun; rank 0 used to try to host a
+    store on that port (EADDRINUSE) while the others waited 300 s for it."""
+    cmd = [sys.executable, "-m", "ftc10d", "launch", "--nproc-per-node", "2", "--max-restarts", "0",
+           "--log-dir", str(tmp_path), str(SCRIPTS / "plain_init.py"), backend]
+    run = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=60)
+    logs = "".join(f"== {p.name}\n{p.read_text()}" for p in sorted(tmp_path.iterdir()))
+    assert run.returncode == 0, run.stderr + logs
+    for slot in (0, 1):
+        out = (tmp_path / f"worker{slot}.0.out").read_text()
+        assert out == f"plain_init: rank {slot} of 2: all_reduce 3.0 ok\n", logs
+
+
 def test_warm_spare_is_promoted_and_replaced(tmp_path: Path) -> None:
     with Launcher(config(tmp_path, "--sleep", nproc_per_node=2, spares=1)) as launcher:
         wait_for(lambda: len(records(tmp_path)) == 2, 30, "2 workers")

@@ -106,6 +106,10 @@ def worker_env(
         "NODE_RANK": str(config.node_rank),
         "MASTER_ADDR": host.strip("[]"),
         "MASTER_PORT": port,
+        # MASTER_PORT is the coordinator's store: torch's env:// rendezvous (a plain
+        # dist.init_process_group) connects to it as a client, as to torchrun's agent store,
+        # instead of rank 0 trying to host a store on that port (EADDRINUSE).
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RESTART_COUNT": str(restart),
         RESTART_ENV: str(restart),
         COORDINATOR_ENV: coordinator,
