@@ -55,19 +55,21 @@ def hsdp_worker(rank: int, world: int, port: int, coordinator: str, opts: dict[s
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     manager.fsdp(model, opt)
     mopt = ManagedOptimizer(manager, opt)
+    control.set(f"handle/{slot}", pg.get_reconfigure_handle())  # what a launcher reports when it dies
     split = opts.get("split_vote")
     if split:
         _split_vote(manager, control, slot, split)
         manager.add_listener(lambda kind, info: control.set(
             f"d/{info['step']}/{slot}/{os.getpid()}", digest(local_state(model, opt))) if kind == "rolled_forward"
             else None)
-    while manager.step < STEPS:
+    while manager.step < int(opts.get("steps", STEPS)):
         mopt.zero_grad()
         with manager.collectives():
             gen = torch.Generator().manual_seed(1000 * manager.step + slot)
             model(torch.randn(5, 8, generator=gen)).pow(2).mean().backward()
         if mopt.step():
             control.set(f"d/{manager.step}/{slot}/{os.getpid()}", digest(local_state(model, opt)))
+            control.set(f"e/{manager.step}/{os.getpid()}", str(manager.commit_epoch))  # its configuration
             control.set(f"progress/{slot}", str(manager.step))
             if split and manager.step == split["step"] + 1 and slot != split["loser"]:
                 control.add(f"committed/{split['step']}", 1)
@@ -89,7 +91,6 @@ def _split_vote(manager: Any, control: Any, slot: int, spec: dict[str, Any]) -> 
 
     step, loser, victim = spec["step"], spec["loser"], spec["victim"]
     control.set(f"pid/{slot}", str(os.getpid()))
-    control.set(f"handle/{slot}", manager.pg.get_reconfigure_handle())
     if slot != loser:
         return
     fired = [False]

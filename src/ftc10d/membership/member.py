@@ -38,7 +38,7 @@ import queue
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ftc10d.membership.agreement import (
     KEY_START,
@@ -72,6 +72,9 @@ from ftc10d.types import (
 
 logger = logging.getLogger("ftc10d")
 _SUCCESS = ErrorType.SUCCESS
+
+#: ``merge(stored or None, body) -> new body``: how :meth:`Member.merge_fact` combines a fact.
+Merge = Callable[[Optional[dict[str, Any]], dict[str, Any]], dict[str, Any]]
 
 #: How long the watch thread waits for the next configuration before looking around
 #: (its own state may have changed: a re-form, a close).
@@ -178,6 +181,8 @@ class Member:
         #: member id -> rendezvous of the newest configuration it missed in a row (NO_SHOW_LIMIT)
         self._no_shows: dict[str, int] = {}
         self._closed = False
+        #: name -> (body, merge) of every fact this member merged: put back after the store lost its state.
+        self._merged: dict[str, tuple[dict[str, Any], Merge]] = {}
 
     def _new_agreement(self, store: MembershipStore) -> Agreement:
         s = self._settings
@@ -222,9 +227,12 @@ class Member:
         self._join_seq = None
 
     def rejoin(self) -> "Member":
-        """A new member for the same handle (after being fenced): joins at once."""
+        """A new member for the same handle (after being fenced): joins at once. It keeps
+        the facts this one merged (see :meth:`merge_fact`)."""
         self.close()
-        return Member(self._store.clone(), self.handle, **self._settings).join()
+        new = Member(self._store.clone(), self.handle, **self._settings)
+        new._merged = dict(self._merged)
+        return new.join()
 
     # ================================================================= queries
 
@@ -268,6 +276,22 @@ class Member:
         key = f"fact/{name}"
         with self._api_lock:
             self._store.put(key, self._signer.encode(key, body))
+
+    def merge_fact(self, name: str, body: dict[str, Any], merge: Merge) -> dict[str, Any]:
+        """Atomically replace the fact ``name`` by ``merge(stored, body)`` (``stored``: the
+        fact now, None if absent or not verifiable) and return what the store holds after.
+
+        A compare-and-set loop on the store's atomic primitive, so that concurrent writers
+        never lose each other's updates: with a monotone ``merge`` (e.g. a maximum) the fact
+        only ever grows. The member remembers ``(body, merge)`` and merges it again after a
+        store restart that lost every record (the members re-form the configuration from
+        what they remember; the facts come back the same way). Raises
+        :class:`ftc10d.StoreUnavailableError` when the store cannot be reached."""
+        key = f"fact/{name}"
+        with self._api_lock:
+            out = _merge_into(self._store, self._signer, key, body, merge)
+            self._merged[name] = (body, merge)
+        return out
 
     def fact(self, name: str) -> Optional[dict[str, Any]]:
         """A fact recorded by :meth:`set_fact` (any member's), or None."""
@@ -624,6 +648,8 @@ class Member:
             # not even fail cleanly any more. Abort them now; sync() moves them onto the re-formed one.
             self._abort_stale(None)
             self._publish(ag, last=cur)
+            for name, (body, merge) in list(self._merged.items()):
+                _merge_into(ag.store, self._signer, f"fact/{name}", body, merge)
 
     def _beat_loop(self) -> None:
         store = self._store.clone()
@@ -790,3 +816,18 @@ class Member:
                 logger.warning("membership: watcher of %s failed", self.id, exc_info=True)
                 self._stop.wait(self.heartbeat_interval)
         store.close()
+
+
+def _merge_into(store: MembershipStore, signer: Signer, key: str, body: dict[str, Any], merge: Merge) -> dict[str, Any]:
+    """:meth:`Member.merge_fact` on one store connection."""
+    raw = store.get(key)
+    while True:
+        old = signer.decode(key, raw) if raw is not None else None
+        new = merge(old, body)
+        if old is not None and new == old:
+            return old
+        value = signer.encode(key, new)
+        # A record that does not verify (forged, or another token's) is replaced like an absent one.
+        swapped, raw = store.create(key, value) if raw is None else store.replace(key, raw, value)
+        if swapped:
+            return new

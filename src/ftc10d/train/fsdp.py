@@ -273,20 +273,21 @@ def recover_shards(manager: Any, cfg: Any, deadline: float) -> bool:
     False when this rank's replica is incomplete: it then waited for the next
     configuration (keeping its shard) and the caller starts over."""
     from ftc10d.train.consistency import exchange_identities
-    from ftc10d.train.recovery import exchange_info, shard_plans, transfer
+    from ftc10d.train.progress import JobProgress
+    from ftc10d.train.recovery import exchange, exchange_info, shard_plans, transfer
 
     groups: HSDPGroups = manager.hsdp
     pg = manager.pg
     ready = manager.registered_fsdp
-    rows = exchange_info(pg, manager.step, manager._synced, manager.commit_epoch, groups.slot, ready)
+    rows, job = exchange(pg, manager.step, manager._synced, manager.commit_epoch, groups.slot, ready,
+                         JobProgress.read(manager.member))
     placement = groups.layout.placement([r[3] for r in rows])
     if _one_step_behind(placement, rows):
         manager._roll_forward_to(*_target(placement, rows))
         rows = exchange_info(pg, manager.step, manager._synced, manager.commit_epoch, groups.slot, ready)
-    held = max((r[0] for r in rows if r[1]), default=-1)
-    job_step, closed_step = manager._job_progress()
-    if held < job_step:
-        manager._wait_for_state(cfg, held, job_step, closed_step, deadline)
+    # the job may go on only from its newest committed state (train/progress.py), per shard below
+    held = [(r[2], r[0]) if r[1] and placement.coords(i) is not None else None for i, r in enumerate(rows)]
+    if not manager._continues(cfg, job, max((h for h in held if h is not None), default=None), held, 0, deadline):
         return False
     try:
         plans = shard_plans(placement, rows)
@@ -322,7 +323,7 @@ def _wait_for_holder(manager: Any, cfg: Any, lost: StateLostError, deadline: flo
     the same committed state (``Manager._on_fenced``). Training on without it would start a
     second history, so every rank (all compute the same plans) waits for the next
     configuration, then plans again; after ``sync_timeout`` the shard is lost: StateLostError.
-    The same rule as the DDP path (``Manager._wait_for_state``)."""
+    The same rule as for the job's state as a whole (:func:`ftc10d.train.progress.wait_for_holder`)."""
     logger.error("manager: %s; waiting up to %.0f s for a rank holding it to come back", lost,
                  max(deadline - time.monotonic(), 0.0))
     manager._emit("state_lost", epoch=cfg.epoch, error=str(lost))

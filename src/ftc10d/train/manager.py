@@ -82,6 +82,7 @@ from ftc10d.train.consistency import (
     split_words,
 )
 from ftc10d.train.ddp import DistributedDataParallel
+from ftc10d.train.progress import Identity, JobProgress, Reporter, wait_for_holder
 from ftc10d.train.recovery import Plan, make_plan, transfer
 from ftc10d.train.state import StateFormatError, fingerprint, state_hash
 from ftc10d.types import (
@@ -89,10 +90,7 @@ from ftc10d.types import (
     ErrorType,
     Fenced,
     InvalidOptionError,
-    JobFinished,
-    MembershipTimeoutError,
     ReplicaDivergenceError,
-    StateLostError,
     StoreUnavailableError,
 )
 
@@ -101,8 +99,6 @@ logger = logging.getLogger("ftc10d")
 Listener = Callable[[str, dict[str, Any]], None]
 
 _RESERVED = "ftc10d"
-#: The membership fact a Manager records at its first commit (see StateLostError).
-_FACT = "train"
 #: The registered state of an FT-HSDP rank (its local shards, Manager.fsdp).
 _HSDP = "hsdp"
 #: The world group's abort hook that aborts the FT-HSDP groups with it.
@@ -169,7 +165,10 @@ class Manager:
         #: fused vote, once it completed.
         self._fused: Optional[tuple[bool, int, Optional[list[int]]]] = None
         self._vetoed: Optional[str] = None
-        self._committed_marked = False
+        #: The configuration epoch this rank last recorded as the job's (JobProgress.record):
+        #: it records each configuration's, before applying its first step there.
+        self._recorded_epoch = -1
+        self._reporter = Reporter(member)
         #: FT-HSDP: a state received before Manager.fsdp() registered the model (a replacement).
         self._pending_state: Optional[dict[str, Any]] = None
         #: FT-HSDP: the optimizer registered by fsdp(), which a roll forward steps.
@@ -484,8 +483,7 @@ class Manager:
                 logger.warning("manager: step %d was vetoed here (%s) after it was voted with the gradients; it is "
                                "applied like on every other rank. Under vote='fused' call manager.veto() before "
                                "loss.backward(), or create the Manager with vote='separate'", self.step, self._vetoed)
-            self._commit()
-            return True
+            return self._commit()
         cur = self.member._current
         check = self._check
         group = self.pg if self.hsdp is None else self.hsdp.participants  # FT-HSDP: the replicas that train
@@ -519,8 +517,7 @@ class Manager:
         if int(vote[0]):
             return self._abort_step(str(self._error) if self._error is not None
                                     else f"a participant voted against committing ({self._vetoed or 'not this one'})")
-        self._commit()
-        return True
+        return self._commit()
 
     def _roll_forward_to(self, epoch: int, step: int) -> bool:
         """FT-HSDP: apply, at recovery, the step whose vote failed on this rank but completed
@@ -552,11 +549,25 @@ class Manager:
         self._emit("rolled_forward", step=step, epoch=epoch)
         return True
 
-    def _commit(self) -> None:
-        """The vote passed: the step is applied here, in the current configuration."""
+    def _commit(self) -> bool:
+        """The vote passed: the step is applied here, in the current configuration. Its first
+        step there is recorded with the membership first (:mod:`ftc10d.train.progress`): if
+        the store stays unreachable for ``sync_timeout``, the step is not applied here (the
+        others may apply it: a partial vote, which recovery evens out)."""
+        if self._recorded_epoch != self._cfg_epoch:
+            try:
+                JobProgress.record(self.member, (self._cfg_epoch, self.step + 1),
+                                   deadline=time.monotonic() + self.sync_timeout)
+            except StoreUnavailableError as exc:
+                self._error = exc
+                return self._abort_step(f"the job's progress could not be recorded before applying the first step "
+                                        f"of epoch {self._cfg_epoch}: {exc}")
+            self._recorded_epoch = self._cfg_epoch
         self.step += 1
         self.commit_epoch = self._cfg_epoch
-        self._mark_committed()
+        if (self.pg if self.hsdp is None else self.hsdp.participants).rank() == 0:
+            self._reporter.note((self.commit_epoch, self.step))
+        return True
 
     def _fingerprint48(self) -> int:
         return fingerprint48(self.fingerprint())
@@ -593,17 +604,17 @@ class Manager:
             # a fresh configuration, never resumed on this one out of step with the others.
             self.pg.abort()
         logger.info("manager: step %d not committed: %s", self.step, why)
-        self._emit("aborted_step", step=self.step, error=why)
+        self._emit("aborted_step", step=self.step, epoch=self._cfg_epoch, error=why)
         return False
 
     def _on_fenced(self, exc: Fenced) -> None:
         self._emit("fenced", epoch=exc.epoch, error=str(exc))
         if not self.rejoin_if_fenced:
             raise exc
-        self.member = self.member.rejoin().attach(self.pg)
-        # Its state stays a committed state of the job (every step it applied was voted by a
-        # whole configuration), so it keeps counting as a source: if every other holder of
-        # the state is gone, this one still carries the job on instead of a fresh replica.
+        self.member = self._reporter.member = self.member.rejoin().attach(self.pg)
+        # Its state is a state the job committed, but maybe not the newest: it is a source only
+        # if nobody went on without it (its identity is still the job's newest, JobProgress);
+        # otherwise it receives, or the job waits for a holder and then raises StateLostError.
         logger.warning("manager: fenced at epoch %s; rejoined as member %s", exc.epoch, self.member.id)
 
     def _recover(self) -> None:
@@ -626,11 +637,8 @@ class Manager:
                         continue  # this rank's replica is incomplete: it waited for the next configuration
                     self._finish_recovery(cfg, t0)
                     return
-                plan = make_plan(self.pg, self.step, self._synced, self.commit_epoch)
-                held = plan.step if any(plan.synced) else -1
-                job_step, closed_step = self._job_progress()
-                if held < job_step:
-                    self._wait_for_state(cfg, held, job_step, closed_step, deadline)
+                plan = make_plan(self.pg, self.step, self._synced, self.commit_epoch, JobProgress.read(self.member))
+                if not self._continues(cfg, plan.job, plan.target, plan.held, plan.source, deadline):
                     continue
                 # A rank that was never synced (a joiner) may be overwritten while its state arrives.
                 state, nbytes, secs = transfer(self.pg, plan, self.state_dict,
@@ -642,6 +650,10 @@ class Manager:
                 continue
             except CollectiveError as exc:
                 logger.warning("manager: recovery interrupted (%s); waiting for the next configuration", exc)
+                continue
+            except StoreUnavailableError as exc:  # the job's progress could not be read: sync again
+                logger.warning("manager: recovery interrupted (%s); retrying", exc)
+                time.sleep(0.05)
                 continue
             self._finish_recovery(cfg, t0)
             return
@@ -679,69 +691,32 @@ class Manager:
         ids = exchange_identities(self.pg, self._fingerprint48(), self.step, self.commit_epoch)
         self._compare(ids, "after the configuration change")
 
-    def _job_progress(self) -> tuple[int, int]:
-        """The most advanced committed step the job is known to have reached (recorded with
-        the membership at a process's first commit and when it closes), and the last step
-        a holder closed at; -1 for none. Read at every recovery (one store read): others
-        may have finished meanwhile."""
-        try:
-            fact = self.member.fact(_FACT) or {}
-        except StoreUnavailableError:
-            return -1, -1
-        return int(fact.get("step", 1 if fact.get("committed") else -1)), int(fact.get("closed_step", -1))
-
-    def _mark_committed(self, final: bool = False) -> None:
-        """Record the job's progress (see StateLostError): once per process at its first
-        commit, and its last step when it closes (only ever raised). ``closed_step`` says
-        that a holder of that step left on purpose: the job finished there (JobFinished)."""
-        if self._committed_marked and not final:
-            return
-        try:
-            fact = self.member.fact(_FACT) or {}
-            body = dict(fact, committed=True)
-            if int(fact.get("step", -1)) < self.step:
-                body["step"] = self.step
-            if final and int(fact.get("closed_step", -1)) < self.step:
-                body["closed_step"] = self.step
-            if body != fact:
-                self.member.set_fact(_FACT, body)
-            self._committed_marked = True
-        except StoreUnavailableError as exc:
-            logger.warning("manager: could not record the job's progress (%s); will retry", exc)
-
-    def _wait_for_state(self, cfg: Any, held: int, job_step: int, closed: int, deadline: float) -> None:
-        """No member here holds the job's most advanced committed state (all fresh, or all
-        behind a step the job reached: e.g. a fenced member rejoining alone after the others
-        finished). Going on would silently start a second history of the job (from scratch,
-        or from a stale step), so wait for a configuration with a holder, or give up: at
-        once with JobFinished if the holders closed at that step (they will not be back),
-        after ``sync_timeout`` with StateLostError if they vanished."""
-        if closed >= job_step >= 0:
-            held_text = "nothing" if held < 0 else f"step {held}"
-            logger.warning("manager: the job finished at step %d while this process was out of it (it holds %s): "
-                           "nothing left to train", job_step, held_text)
-            self._emit("job_finished", epoch=cfg.epoch, job_step=job_step, held=held)
-            raise JobFinished(
-                f"the job finished at step {job_step} while this process was out of it: the members that held "
-                f"that step closed, and the members of epoch {cfg.epoch} hold {held_text}. There is nothing left "
-                "to train: call Manager.close() and exit with status 0", step=job_step, held=held)
-        logger.error("manager: no member of epoch %d holds the job's committed state (the job reached step %d, "
-                     "the members here hold %s); waiting for a holder instead of training from there",
-                     cfg.epoch, job_step, "nothing" if held < 0 else f"step {held}")
-        self._emit("state_lost", epoch=cfg.epoch, job_step=job_step, held=held)
-        try:
-            self.member.wait_next(cfg.epoch, timeout=max(deadline - time.monotonic(), 0.001))
-        except MembershipTimeoutError:
-            raise StateLostError(
-                f"no member of epoch {cfg.epoch} holds the job's committed state (step {job_step}; the members "
-                f"hold {'nothing' if held < 0 else f'step {held}'}) and none came back within "
-                f"{self.sync_timeout:g} s: every replica that held it is gone. Restore from a checkpoint or "
-                "restart the job") from None
+    def _continues(self, cfg: Any, progress: JobProgress, target: Optional[Identity], held: list[Optional[Identity]],
+                   writer: int, deadline: float) -> bool:
+        """Whether configuration ``cfg`` may continue the job from ``target`` (the greatest
+        identity of its live synchronized ranks; ``held``: each rank's): only if it is at least
+        the newest state the job committed, ``progress`` (:mod:`ftc10d.train.progress`, as the
+        ranks agreed on it in the plan's exchange: every rank decides alike). If so, rank
+        ``writer`` (one per configuration) refines the record to ``target``; if not, the job
+        waits for a holder (False: plan again), or raises JobFinished / StateLostError."""
+        if not progress.admits(target):
+            wait_for_holder(self, cfg, progress, held, deadline)
+            return False
+        if target is not None and self.rank == writer and (progress.reached is None or target > progress.reached):
+            try:  # only makes the record (and its messages) more precise: never worth a wait
+                JobProgress.record(self.member, target)
+            except StoreUnavailableError as exc:
+                logger.warning("manager: could not refine the job's progress to %s (%s)", target, exc)
+        return True
 
     def close(self) -> None:
         """Record the step reached, and leave the membership (the others need not wait for a
         heartbeat timeout)."""
+        self._reporter.close()
         if self._synced and self.step > 0:
-            self._mark_committed(final=True)
+            try:
+                JobProgress.record(self.member, (self.commit_epoch, self.step), closed=True)
+            except StoreUnavailableError as exc:
+                logger.warning("manager: could not record that the job closed at step %d (%s)", self.step, exc)
         self.member.close(leave=True)
 

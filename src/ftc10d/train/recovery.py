@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ftc10d.pg.work import MultiWork
+from ftc10d.train.progress import JobProgress
 from ftc10d.train.state import (
     DIRECT_BYTES,
     StateFormatError,
@@ -74,10 +75,23 @@ class Plan:
     #: Send to each recipient point to point, even to several (plans of disjoint rank sets
     #: run at once on one group: a broadcast would need every rank of it).
     p2p_only: bool = False
+    #: What the membership knows of the job's newest state, as the ranks agreed on it.
+    job: JobProgress = field(default_factory=JobProgress)
 
     @property
     def needed(self) -> bool:
         return bool(self.recipients)
+
+    @property
+    def target(self) -> Optional[tuple[int, int]]:
+        """The identity ``(commit epoch, step)`` the plan brings every rank to; None when no
+        rank holds a state (a fresh job)."""
+        return (self.epoch, self.step) if any(self.synced) else None
+
+    @property
+    def held(self) -> list[Optional[tuple[int, int]]]:
+        """Each rank's identity before the plan (None: no state)."""
+        return [(e, s) if f else None for e, s, f in zip(self.epochs, self.steps, self.synced)]
 
     @property
     def diverged(self) -> list[int]:
@@ -87,15 +101,33 @@ class Plan:
                 if self.synced[r] and self.steps[r] == self.step and self.epochs[r] != self.epoch]
 
 
+Row = tuple[int, bool, int, int, bool]
+
+
 def exchange_info(pg: Any, step: int, synced: bool, epoch: int = 0, slot: int = -1,
-                  ready: bool = True) -> list[tuple[int, bool, int, int, bool]]:
+                  ready: bool = True) -> list[Row]:
     """One all-reduce: every rank's ``(step, synced, commit epoch, slot, ready)`` (slot: its
     place on an HSDP mesh, :mod:`ftc10d.train.mesh`, -1 without one; ready: it has
     registered its state, so its fingerprint means something)."""
-    info = torch.zeros(pg.size(), 5, dtype=torch.int64)
-    info[pg.rank()] = torch.tensor([step, int(synced), epoch, slot, int(ready)], dtype=torch.int64)
+    return exchange(pg, step, synced, epoch, slot, ready)[0]
+
+
+def exchange(pg: Any, step: int, synced: bool, epoch: int = 0, slot: int = -1, ready: bool = True,
+             job: JobProgress = JobProgress()) -> tuple[list[Row], JobProgress]:
+    """:func:`exchange_info`, and the job's progress as the ranks read it from the membership
+    (``job``, :mod:`ftc10d.train.progress`), agreed: the greatest of what any rank read, so
+    that every rank decides alike whether the configuration may continue the job."""
+    def pair(ident: Any) -> list[int]:
+        return [-1, -1] if ident is None else list(ident)
+
+    info = torch.zeros(pg.size(), 9, dtype=torch.int64)
+    info[pg.rank()] = torch.tensor([step, int(synced), epoch, slot, int(ready), *pair(job.reached), *pair(job.closed)],
+                                   dtype=torch.int64)
     pg.allreduce([info]).wait()
-    return [(int(a), bool(b), int(c), int(d), bool(e)) for a, b, c, d, e in info.tolist()]
+    rows = info.tolist()
+    reached = max(((r[5], r[6]) for r in rows if r[5] >= 0), default=None)
+    closed = max(((r[7], r[8]) for r in rows if r[7] >= 0), default=None)
+    return [(int(a), bool(b), int(c), int(d), bool(e)) for a, b, c, d, e, *_ in rows], JobProgress(reached, closed)
 
 
 def plan_among(ranks: Sequence[int], steps: Sequence[int], flags: Sequence[bool], epochs: Sequence[int],
@@ -117,10 +149,13 @@ def plan_among(ranks: Sequence[int], steps: Sequence[int], flags: Sequence[bool]
     return Plan(source, recipients, target[1], steps, flags, target[0], epochs, p2p_only)
 
 
-def make_plan(pg: Any, step: int, synced: bool, epoch: int = 0) -> Plan:
-    """One all-reduce of every rank's (step, synced, commit epoch); the same plan on every rank."""
-    rows = exchange_info(pg, step, synced, epoch)
-    return plan_among(range(len(rows)), [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+def make_plan(pg: Any, step: int, synced: bool, epoch: int = 0, job: JobProgress = JobProgress()) -> Plan:
+    """One all-reduce of every rank's (step, synced, commit epoch) and view of the job's
+    progress; the same plan on every rank."""
+    rows, agreed = exchange(pg, step, synced, epoch, job=job)
+    plan = plan_among(range(len(rows)), [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+    plan.job = agreed
+    return plan
 
 
 def transfer(pg: Any, plan: Plan, get_state: Callable[[], Any],
