@@ -62,6 +62,7 @@ __all__ = [
     "Fenced",
     "MembershipTimeoutError",
     "StateLostError",
+    "EXIT_STOP_JOB",
     "StoreUnavailableError",
 ]
 
@@ -430,10 +431,20 @@ class MembershipTimeoutError(MembershipError, TimeoutError):
         self.status = status
 
 
+#: A worker that exits with this code stops the whole job instead of being respawned by
+#: ``ftc10d launch``: the job itself cannot go on (``ReplicaDivergenceError``: a replacement would
+#: only receive a wrong state; ``StateLostError``: nobody holds the state to train on). The
+#: launcher stops the other workers and exits with it. ``ftc10d.train.init_from_env`` makes an
+#: uncaught error of those two exit with it.
+EXIT_STOP_JOB = 86
+
+
 class StateLostError(MembershipError):
-    """Every member of the configuration is fresh, but the job has committed steps before:
-    the members that held its state are all gone. Training from scratch would silently
-    throw the job's progress away; restore from a checkpoint or restart the job."""
+    """No live member holds the job's newest committed state (its identity is recorded with
+    the membership, ``ftc10d.train.progress``), and none came back within the Manager's
+    ``sync_timeout``: every member that held it is gone. Training on from scratch or from an
+    older state would silently throw committed steps away or redo them (a second history);
+    restore from a checkpoint or restart the job."""
 
 
 class JobFinished(MembershipError):

@@ -99,9 +99,12 @@ def test_mesh_trial_node_loss_and_a_fault_in_each_replica(tmp_path: Path) -> Non
     other trains on, the replacements receive their shards from it), then one rank of each
     replica killed at once (no replica complete until both slots are refilled). Every check
     runs per shard: same fingerprint per committed step, every shard held at the end."""
-    spec = {"seed": 1, "world_size": 4, "mesh": [2, 2], "steps": 100, "timeout": 150,
+    # Slow steps (interval 0.12 s): while the node's replacements start (one of them cold, seconds on
+    # a busy machine), the other replica trains alone; the second fault waits for the mesh to be whole
+    # again and must still find the job short of its end (at 0.03 s per step it once did not).
+    spec = {"seed": 1, "world_size": 4, "mesh": [2, 2], "steps": 150, "interval": 0.12, "timeout": 200,
             "faults": [{"kind": "node", "slot": 1, "at_step": 15},
-                       {"kind": "double", "slot": 0, "slot2": 3, "kind2": "kill", "at_step": 55}]}
+                       {"kind": "double", "slot": 0, "slot2": 3, "kind2": "kill", "at_step": 40}]}
     out, summary = _replay(tmp_path, spec)
     assert summary["faults_by_kind"] == {"double": 1, "node": 1}, summary
     assert summary["coverage"].get("recovered", 0) >= 4, summary  # 2 + 2 replacements received their shards
@@ -130,3 +133,22 @@ def test_mesh_trial_the_source_dies_as_it_sends_a_shard(tmp_path: Path) -> None:
     assert got and got[0]["shard"] == 1, got  # the replacement received shard 1 all the same
     after = [e for e in events if e["kind"] == "recovered" and float(e["t"]) > died[0]["t"]]
     assert after, "a rank received its shard after the sender died"
+
+
+@pytest.mark.parametrize("mesh,resume_s", [(None, 0.3), ([2, 2], 4.0)])
+def test_a_stale_member_after_every_holder_died_stops_the_job(tmp_path: Path, mesh: Any, resume_s: float) -> None:
+    """The ``stale`` fault (invariant 8): slot 3 frozen past the heartbeat; the others commit 5
+    steps without it; every holder of that newer state (DDP: every other slot; 2x2: replica 0)
+    SIGKILLed at once; slot 3 resumed 0.3 s later (before the replacements) or 4 s later (after).
+    The job must stop with StateLostError (launcher exit 86), no step committed twice."""
+    spec = {"seed": 1, "world_size": 4, "steps": 100, "timeout": 150,
+            "faults": [{"kind": "stale", "slot": 3, "at_step": 20, "duration": resume_s}],
+            **({"mesh": mesh} if mesh else {})}
+    out, summary = _replay(tmp_path, spec)
+    assert summary["faults_by_kind"] == {"stale": 1}, summary
+    files = (out / "trials").glob("*/events/*.jsonl")
+    events = [json.loads(line) for f in files for line in f.read_text().splitlines()]
+    lost = [e for e in events if e["kind"] == "state_lost_exit"]
+    assert lost and all("the job committed step" in e["error"] for e in lost), lost
+    record = json.loads(next((out / "trials").glob("*.json")).read_text())
+    assert record["returncode"] == 86, record["returncode"]

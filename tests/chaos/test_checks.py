@@ -364,3 +364,46 @@ def test_a_step_rolled_forward_counts_as_committed_and_is_compared() -> None:
     assert checks.check_commits(events, 5) == []
     rolled["fp"] = "other"
     assert any("replicas differ after committed step 3 in epoch 1" in p for p in checks.check_commits(events, 5))
+
+
+def test_a_step_committed_in_two_configurations_is_a_second_history_even_with_equal_states() -> None:
+    """Invariant 8: the stale schedule on code that lets the frozen member become the source.
+    Steps 4-6 committed in epoch 2 by pids 1, 2; both die; pid 3 (frozen at step 3, epoch 1)
+    comes back and pids 3, 4 commit steps 4-6 again in epoch 4, computing alike (equal
+    fingerprints). check_commits sees nothing wrong; check_one_history does."""
+    events = [ev(pid, "commit", s, step=s, fp=f"f{s}", member=f"m{pid}", commit_epoch=1) for pid in (1, 2, 3)
+              for s in (1, 2, 3)]
+    events += [ev(pid, "commit", 3 + s, step=s, fp=f"f{s}", member=f"m{pid}", commit_epoch=2) for pid in (1, 2)
+               for s in (4, 5, 6)]
+    events += [ev(4, "recovered", 10.0, step=3, fp="f3", epoch=1)]
+    events += [ev(pid, "commit", 10 + s, step=s, fp=f"f{s}", member=f"m{pid}", commit_epoch=4) for pid in (3, 4)
+               for s in (4, 5, 6)]
+    assert not [p for p in checks.check_commits(events, 6, complete=False) if "differ" in p]
+    problems = checks.check_one_history(events)
+    assert len(problems) == 3 and "step 4 was committed in 2 configurations" in problems[0], problems
+    # The rollback of invariant 1: in epoch 2, pid 2 saw the vote of step 6 fail (aborted_step at step 5)
+    # while pid 1 committed it; pid 1 died; step 6 redone in epoch 4 is not a second history.
+    partial = [e for e in events if not (e["pid"] == 2 and e.get("step") == 6 and e.get("commit_epoch") == 2)]
+    partial.append(ev(2, "aborted_step", 9.5, step=5, epoch=2))
+    assert [p.split(" was")[0] for p in checks.check_one_history(partial)] == ["step 4", "step 5"]
+
+
+def test_a_job_that_completes_after_losing_its_newest_state_is_a_violation() -> None:
+    from ftc10d.launch import EXIT_STOP_JOB
+
+    stopped = [ev(3, "state_lost_exit", 20.0, error="StateLostError: the job committed step 6 of epoch 2 ...")]
+    assert checks.check_state_lost(stopped, EXIT_STOP_JOB, lost_at=10.0) == []
+    assert any("trained on from an older state" in p for p in checks.check_state_lost([], 0, lost_at=10.0))
+    assert any("no worker raised StateLostError" in p for p in checks.check_state_lost([], EXIT_STOP_JOB, 10.0))
+    assert checks.check_commits([ev(1, "commit", 1.0, step=1, fp="a")], 100, complete=False) == []
+
+
+def test_a_stale_fault_ends_the_schedule() -> None:
+    for seed in range(40):
+        spec = draw(seed, max_faults=3, weights={"stale": 5})
+        kinds = [f.kind for f in spec.faults]
+        assert "stale" not in kinds[:-1], kinds
+        for f in spec.faults:
+            assert f.kind != "stale" or (f.duration is not None and 0.2 <= f.duration <= 6.0), f
+    mesh = draw(3, mesh=[2, 2], weights={"stale": 50})
+    assert mesh.faults[-1].kind == "stale", mesh.faults

@@ -221,3 +221,19 @@ def test_a_worker_exiting_with_exit_stop_job_stops_the_job_instead_of_being_resp
     gave_up = [e for e in events if e.kind == "gave_up"]
     assert gave_up and gave_up[0].slot == 1 and gave_up[0].detail.get("stop_job") is True
     assert not [pid for pid in records(tmp_path) if alive(pid)], "the other workers must be stopped"
+
+
+@pytest.mark.parametrize("kind,code", [("StateLostError", 86), ("ReplicaDivergenceError", 86), ("RuntimeError", 1)])
+def test_an_uncaught_state_loss_stops_the_job_instead_of_respawning(tmp_path: Path, kind: str, code: int) -> None:
+    """A worker whose Manager raised StateLostError (nobody holds the job's newest state) or
+    ReplicaDivergenceError and did not catch it exits EXIT_STOP_JOB (``init_from_env``'s hook):
+    the launcher stops the job at once instead of respawning it into the same loss (each respawn
+    would wait sync_timeout for a holder that is gone). Other errors keep exit code 1 and the respawns."""
+    cmd = [sys.executable, "-m", "ftc10d", "launch", "--nproc-per-node", "2", "--max-restarts", "1",
+           "--log-dir", str(tmp_path), str(SCRIPTS / "lose_state.py"), kind]
+    run = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=120)
+    logs = "".join(f"== {p.name}\n{p.read_text()}" for p in sorted(tmp_path.iterdir()))
+    assert run.returncode == code, run.stderr + logs
+    assert f"{kind}: test:" in logs, logs  # the traceback, printed as python does
+    restarted = (tmp_path / "worker1.1.err").exists()
+    assert restarted == (code == 1), sorted(p.name for p in tmp_path.iterdir())

@@ -25,6 +25,11 @@ breach is a ``guard_violation`` event, reported here.
 
 One lineage (``check_lineage``): steps committed in a later configuration never go
 below those of an earlier one, which catches two groups training apart.
+
+Invariant 8 (``check_one_history``): a step is committed in one configuration only, also when
+every holder of it died, and whatever the hashes say (a second history computed from an
+equal state commits equal fingerprints). ``check_state_lost``: after a ``stale`` fault killed
+every holder of the job's newest state, the job stops with ``StateLostError``.
 """
 
 from __future__ import annotations
@@ -59,10 +64,12 @@ def by_pid(events: Iterable[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     return out
 
 
-def check_commits(events: list[dict[str, Any]], steps: int) -> list[str]:
+def check_commits(events: list[dict[str, Any]], steps: int, complete: bool = True) -> list[str]:
     """Invariant 1 and completion; returns what broke (empty: nothing). FT-HSDP events carry
     the rank's ``shard`` index: the state of one step is compared among the holders of the
-    same shard (ranks of different shard indices hold different parts of the model)."""
+    same shard (ranks of different shard indices hold different parts of the model).
+    ``complete=False``: the job was meant to stop early (its state was lost on purpose):
+    every step up to the last one committed, but not the final step, is required."""
     problems: list[str] = []
     # Keyed by (step, commit epoch, shard): states of the same step committed in the same
     # configuration must be equal. A step a worker applied alone in an older configuration, while
@@ -97,7 +104,7 @@ def check_commits(events: list[dict[str, Any]], steps: int) -> list[str]:
             where = ("" if epoch is None else f" in epoch {epoch}") + ("" if shard is None else f", shard {shard}")
             problems.append(f"replicas differ after committed step {s}{where}: {detail}")
     committed = {int(e["step"]) for e in events if e["kind"] == "commit"}
-    missing = [s for s in range(1, steps + 1) if s not in committed]
+    missing = [s for s in range(1, (steps if complete else max(committed, default=0)) + 1) if s not in committed]
     if missing:
         problems.append(f"steps never committed by anyone: {_ranges(missing)} (final step {steps} not reached)"
                         if steps in missing else f"steps never committed by anyone: {_ranges(missing)}")
@@ -105,6 +112,8 @@ def check_commits(events: list[dict[str, Any]], steps: int) -> list[str]:
         if e["kind"] == "diverged":
             problems.append(f"pid {e['pid']}: ReplicaDivergenceError at step {e.get('step')} (ranks "
                             f"{e.get('ranks')} differ: {e.get('groups')})")
+    if not complete:
+        return problems
     finals = [e for e in events if e["kind"] == "final"]
     if not finals:
         problems.append("no worker reached the final step")
@@ -275,6 +284,51 @@ def check_lineage(events: list[dict[str, Any]], deaths: Optional[dict[int, float
         if top is not None and low <= top[0]:
             problems.append(f"two lineages: epoch {ep} committed steps {low}-{high} after epoch {top[1]} had "
                             f"committed up to step {top[0]} (a group trained on apart from the others)")
+    return problems
+
+
+def check_one_history(events: list[dict[str, Any]]) -> list[str]:
+    """Invariant 8: every step is committed in one configuration (epoch) only. The one
+    exception is the rollback of invariant 1: a step whose vote completed on some ranks and
+    failed on others of epoch ``A`` (an ``aborted_step`` of that step in ``A``) may be redone
+    in a later configuration when its committers were left out or died: its commit in ``A``
+    was never the job's. Any other step committed in two epochs is a second history, whether
+    its fingerprints match or not."""
+    epochs: dict[int, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))  # step -> epoch -> pids
+    for e in events:
+        if e["kind"] == "commit" and e.get("commit_epoch") is not None:
+            epochs[int(e["step"])][int(e["commit_epoch"])].add(int(e["pid"]))
+        elif e["kind"] == "rolled_forward" and e.get("epoch") is not None:
+            epochs[int(e["step"])][int(e["epoch"])].add(int(e["pid"]))
+    # an aborted_step event names the step count before the failed step: the commit would have been step + 1
+    partial = {(int(e["step"]) + 1, int(e["epoch"])) for e in events
+               if e["kind"] == "aborted_step" and e.get("epoch") is not None}
+    problems = []
+    for step, by_epoch in sorted(epochs.items()):
+        newest = max(by_epoch)
+        redone = sorted(ep for ep in by_epoch if ep != newest and (step, ep) not in partial)
+        if redone:
+            where = "; ".join(f"epoch {ep} by pids {sorted(by_epoch[ep])}" for ep in sorted(by_epoch))
+            problems.append(f"step {step} was committed in {len(by_epoch)} configurations ({where}): a second "
+                            "history (the job trained again from an older state)")
+    return problems
+
+
+def check_state_lost(events: list[dict[str, Any]], rc: Optional[int], lost_at: float) -> list[str]:
+    """After every holder of the job's newest state was killed at ``lost_at`` (a ``stale``
+    fault), the job must stop: workers raise StateLostError and the launcher exits with
+    ``EXIT_STOP_JOB``, instead of completing from an older state."""
+    from ftc10d.launch import EXIT_STOP_JOB
+
+    problems = []
+    if rc == 0:
+        problems.append("the job completed after every holder of its newest state was killed: it trained on from "
+                        "an older state")
+    elif rc != EXIT_STOP_JOB:
+        problems.append(f"after every holder of its newest state was killed the launcher exited {rc}, not "
+                        f"{EXIT_STOP_JOB} (a worker's StateLostError stops the job)")
+    if not any(e["kind"] == "state_lost_exit" and float(e["t"]) >= lost_at for e in events):
+        problems.append("no worker raised StateLostError after every holder of the job's newest state was killed")
     return problems
 
 

@@ -56,7 +56,7 @@ from torch.distributed.fsdp import fully_shard
 from ftc10d.chaos.guard import Guards
 from ftc10d.launch import EXIT_STOP_JOB
 from ftc10d.train import ManagedOptimizer, Manager, init_from_env
-from ftc10d.types import JobFinished, ReplicaDivergenceError
+from ftc10d.types import JobFinished, ReplicaDivergenceError, StateLostError
 
 OPTS_ENV = "FTC10D_CHAOS_OPTS"
 IN, HIDDEN, OUT, GLOBAL_BATCH = 32, 64, 4, 64
@@ -194,6 +194,16 @@ def main() -> int:
     restart = int(os.environ.get("FTC10D_RESTART_COUNT", "0"))
     log = EventLog(os.path.join(opts["out"], "events"), slot)
     log.emit("start", restart=restart)
+    try:
+        return _train(opts, slot, restart, log)
+    except StateLostError as exc:  # the job's newest state is gone: it stops (the trial checks that it did)
+        logging.getLogger("ftc10d").error("chaos job: %s", exc)
+        log.emit("state_lost_exit", error=str(exc)[:1000])
+        _exit(log, EXIT_STOP_JOB)
+        return EXIT_STOP_JOB
+
+
+def _train(opts: dict[str, Any], slot: int, restart: int, log: EventLog) -> int:
     control = Control()
     finished = f"chaos/{opts['trial']}/finished"
     if _finished(control, finished):  # a replacement started as the job ended: nothing to join
@@ -234,7 +244,7 @@ def main() -> int:
         from ftc10d.train.mesh import HSDPLayout
 
         groups = HSDPGroups(pg.store, HSDPLayout(*mesh_opt), slot)
-    manager = Manager(pg, member, sync_timeout=120.0, hsdp=groups)
+    manager = Manager(pg, member, sync_timeout=float(opts.get("sync_timeout", 120.0)), hsdp=groups)
     joined["manager"] = manager
     shard: dict[str, Any] = {} if groups is None else {"shard": groups.shard_index}
     log.emit("admitted", member=member.id, epoch=manager.epoch, rank=manager.rank, world_size=manager.world_size,

@@ -23,6 +23,14 @@ Kinds (``KINDS``), with ``hb`` the heartbeat timeout:
                   still in flight on Gloo's other thread), so some complete and some fail;
 - ``die_send``    ``slot`` is SIGKILLed at ``at_step``; the survivor that then starts
                   sending the state to the replacement SIGKILLs itself as it sends;
+- ``stale``       the newest state lost while an older one lives on (invariant 8): ``slot`` is
+                  SIGSTOPped (past hb: removed); once the others committed :data:`STALE_GAP`
+                  steps without it, every worker holding their newer state is SIGKILLed at
+                  once (every other slot; ``--mesh``: every slot outside its replica), and it
+                  gets SIGCONT ``duration`` later (before or after the replacements arrive). The
+                  job must not train on from its older state: every worker raises
+                  ``StateLostError`` after ``sync_timeout`` and the job stops (launcher exit 86);
+                  nothing is committed twice. It ends the trial: nothing is drawn after it;
 - ``node``        (``--mesh`` only) every worker of replica ``slot`` is SIGKILLed at once: a
                   node lost with all its ranks; the other replicas train on, the
                   replacements receive their shards from them;
@@ -59,7 +67,9 @@ from typing import Any, Optional
 from ftc10d.types import InvalidOptionError
 
 KINDS = ("kill", "stop_short", "stop_long", "slow", "double", "die_vote", "die_after_vote", "die_send", "partition",
-         "store", "etcd", "node")
+         "store", "etcd", "node", "stale")
+#: ``stale``: steps the others commit without the frozen worker before its newer state's holders are killed.
+STALE_GAP = 5
 #: Kinds armed in the job at launch (its ``die`` option): at most one of each per trial.
 ARMED = ("die_vote", "die_after_vote", "die_send")
 #: Where a trial's membership lives: the coordinator TCPStore, or a 3-member etcd cluster.
@@ -192,7 +202,7 @@ def validate(spec: TrialSpec) -> None:
             if (f.slot2 is None or f.kind2 not in DOUBLE_PARTS or f.slot2 == f.slot
                     or not 0 <= f.slot2 < spec.world_size):
                 raise ScheduleError(f"{f}: a double needs slot2 != slot and kind2 in {DOUBLE_PARTS}")
-        timed = ("stop_short", "stop_long", "slow", "partition", "store", "etcd")
+        timed = ("stop_short", "stop_long", "slow", "partition", "store", "etcd", "stale")
         if f.kind in timed and (f.duration is None or f.duration <= 0):
             raise ScheduleError(f"{f}: needs a positive duration")
 
@@ -245,6 +255,8 @@ def draw_fault(rng: random.Random, kind: str, at_step: int, world_size: int, hb:
     if kind == "node":
         assert mesh is not None
         return Fault(kind, rng.randrange(mesh[0]), at_step)
+    if kind == "stale":  # resumed 0.2 s (before the replacements) to 6 s (after them) after the kill
+        return Fault(kind, slot, at_step, round(rng.uniform(0.2, 6.0), 3))
     if kind == "stop_short":
         return Fault(kind, slot, at_step, round(rng.uniform(0.2, 0.6) * hb, 3))
     if kind == "stop_long":
@@ -300,6 +312,9 @@ def draw(seed: int, *, world_size: int = 4, steps: int = 150, heartbeat_timeout:
         lo = FIRST_FAULT_STEP + i * span
         at = rng.randint(lo, max(lo, lo + span - 6))
         faults.append(draw_fault(rng, rng.choice(pool), at, world_size, heartbeat_timeout, hosts, mesh))
+    # A stale fault ends the job (its state is lost on purpose): nothing after it.
+    stale = next((i for i, f in enumerate(faults) if f.kind == "stale"), None)
+    faults = faults if stale is None else faults[:stale + 1]
     # die_* arm the job at launch: at most one of each per trial, and one per slot.
     seen: set[Any] = set()
     faults = [f for f in faults if f.kind not in ARMED or not (

@@ -35,7 +35,7 @@ from ftc10d.chaos import checks
 from ftc10d.chaos.coordinator import CoordinatorProcess
 from ftc10d.chaos.etcd import EtcdCluster
 from ftc10d.chaos.netns import Hosts
-from ftc10d.chaos.schedule import ETCD_MEMBERS, Fault, TrialSpec, hosts_of
+from ftc10d.chaos.schedule import ETCD_MEMBERS, STALE_GAP, Fault, TrialSpec, hosts_of
 from ftc10d.demo.driver import Tail  # new complete JSON lines of a folder's *.jsonl, as the demo tails them
 
 logger = logging.getLogger("ftc10d")
@@ -50,6 +50,9 @@ RETARGET_S = 15.0
 WHOLE_S = 1.0
 #: Never a configuration of fewer (a lone worker cut off, or left behind, must not train on alone).
 MIN_MEMBERS = 2
+#: The Manager's sync_timeout in a trial with a ``stale`` fault (how long the job waits for a holder of
+#: its lost state before StateLostError); 120 s otherwise.
+STALE_SYNC_S = 8.0
 
 
 @dataclass
@@ -119,6 +122,10 @@ class Trial:
         self.t_close = float("inf")
         #: pid -> when it last committed (``--mesh``: a fault waits until every slot trains).
         self.last_commit: dict[int, float] = {}
+        #: ``stale``: (the fault, the frozen pid, the job step at which the holders are killed).
+        self.stale: Optional[tuple[Injected, int, int]] = None
+        #: When a ``stale`` fault killed the holders of the job's newest state (the job must stop).
+        self.lost_at: Optional[float] = None
 
     # ------------------------------------------------------------ launching
 
@@ -155,7 +162,8 @@ class Trial:
             slots = [s for s, h in enumerate(self.host_of) if h == host]
             opts = {"out": str(self.folder), "trial": self.trial_id, "steps": self.spec.steps,
                     "interval": self.spec.interval, "world": self.spec.world_size, "rank_base": slots[0], "die": die,
-                    "min_members": MIN_MEMBERS, "mesh": self.spec.mesh}
+                    "min_members": MIN_MEMBERS, "mesh": self.spec.mesh,
+                    "sync_timeout": STALE_SYNC_S if any(f.kind == "stale" for f in self.spec.faults) else 120.0}
             env = {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "FTC10D_CHAOS_OPTS": json.dumps(opts),
                    "FTC10D_FLIGHT_RECORDER": "0"}
             if self.spec.hosts > 1:
@@ -224,6 +232,10 @@ class Trial:
         elif f.kind == "node":
             inj.pids = [self._signal(s, signal.SIGKILL) for s in targets]
             inj.t_end = time.time()
+        elif f.kind == "stale":  # the holders are killed once the others went on: _kill_holders
+            pid = self._signal(f.slot, signal.SIGSTOP)
+            inj.pids = [pid]
+            self.stale = (inj, pid, self.job_step + STALE_GAP)
         elif f.kind in ("stop_short", "stop_long"):
             pid = self._signal(f.slot, signal.SIGSTOP)
             inj.pids = [pid]
@@ -262,6 +274,23 @@ class Trial:
             self._at(now + (f.duration or 2 * hb), lambda: self._heal(inj, f.slot))
         self.say(f"  t+{now - self.t0:5.1f}s step {self.job_step}: {f}")
         return True
+
+    def _kill_holders(self) -> None:
+        """``stale``, second half: the others committed STALE_GAP steps without the frozen worker;
+        SIGKILL every worker that holds that newer state at once, and resume the frozen one
+        ``duration`` later. From here the job must stop (StateLostError), not train on."""
+        assert self.stale is not None
+        inj, frozen, _ = self.stale
+        self.stale = None
+        f, mesh = inj.fault, self.spec.mesh
+        holders = [s for s in range(self.spec.world_size)
+                   if s != f.slot and (mesh is None or s // mesh[1] != f.slot // mesh[1])]
+        live = [s for s in holders if self._pid(s) is not None]
+        inj.pids += [self._signal(s, signal.SIGKILL) for s in live]
+        inj.t_end = self.lost_at = time.time()
+        self._at(self.lost_at + (f.duration or 1.0), lambda: self._cont(frozen))
+        self.say(f"  t+{self.lost_at - self.t0:5.1f}s step {self.job_step}: killed the holders of the newer state "
+                 f"(slots {live}); slot {f.slot} resumes in {f.duration:g} s")
 
     def _arm(self, inj: Injected) -> bool:
         """``--mesh``: let the worker armed with ``inj`` (die_vote / die_after_vote) die now (the
@@ -384,6 +413,8 @@ class Trial:
                 for item in sorted([t for t in self.timers if t[0] <= now], key=lambda t: t[0]):
                     self.timers.remove(item)
                     item[1]()
+                if self.stale is not None and self.job_step >= self.stale[2]:
+                    self._kill_holders()
                 if to_arm and self.job_step >= to_arm[0].fault.at_step and self._mesh_whole(now) \
                         and self._arm(to_arm[0]):
                     to_arm.pop(0)
@@ -450,11 +481,15 @@ class Trial:
         duration = time.time() - self.t0
         events = checks.read_events(self.events_dir)
         self.pids.update(int(e["pid"]) for e in events)
-        if rc not in (None, 0):
+        lost = self.lost_at is not None
+        if lost:  # invariant 8: the job stops; it never trains on from the older state
+            violations += checks.check_state_lost(events, rc, self.lost_at or 0.0)
+        elif rc not in (None, 0):
             violations.append(f"the job failed: launcher exit code {rc}")
         violations += self._unexpected_exits(events)
-        violations += checks.check_commits(events, spec.steps)
-        if spec.mesh is not None:
+        violations += checks.check_commits(events, spec.steps, complete=not lost)
+        violations += checks.check_one_history(events)
+        if spec.mesh is not None and not lost:
             held = {e.get("shard") for e in events if e["kind"] == "final"}
             lost = [k for k in range(spec.mesh[1]) if k not in held]
             if lost:
@@ -528,10 +563,16 @@ class Trial:
 
     def _unexpected_exits(self, events: list[dict[str, Any]]) -> list[str]:
         """Workers that exited non-zero without being killed by the schedule (a crash under faults)."""
+        from ftc10d.launch import EXIT_STOP_JOB
+
         suicides = {int(e["pid"]) for e in events if e["kind"] == "suicide"}
+        # After a state loss (a stale fault) the job stops: exit 86, and the others are stopped by the launcher.
+        stop = min((float(e["t"]) for e in events if e["kind"] == "state_lost_exit"), default=float("inf"))
         out = []
         for ev in self.launch_events:
             if ev.kind != "exited" or ev.detail.get("returncode") in (0, None):
+                continue
+            if self.lost_at is not None and (ev.detail.get("returncode") == EXIT_STOP_JOB or ev.time >= stop):
                 continue
             if ev.pid in self.killed or ev.pid in suicides:
                 continue
@@ -586,6 +627,8 @@ def _sigkilled(injected: list[Injected]) -> dict[int, float]:
             out[int(inj.pids[0])] = float(inj.t_fault)
         if inj.fault.kind == "node":
             out.update((int(p), float(inj.t_fault)) for p in inj.pids if p is not None)
+        if inj.fault.kind == "stale" and inj.t_end:  # pids[0] is the frozen one; the others, the holders
+            out.update((int(p), float(inj.t_end)) for p in inj.pids[1:] if p is not None)
         if inj.fault.kind == "double" and inj.fault.kind2 == "kill" and len(inj.pids) > 1 and inj.pids[1]:
             out[int(inj.pids[1])] = float(inj.t_end or inj.t_fault)
     return out

@@ -155,7 +155,9 @@ def run_script(script: str, args: list[str]) -> int:
         traceback.print_exc()
         return 128 + signal.SIGINT
     except BaseException:
-        traceback.print_exc()
+        # What the interpreter does with an uncaught exception: sys.excepthook prints it (a hook
+        # the script installed may do more: init_from_env's exits EXIT_STOP_JOB on a state loss).
+        sys.excepthook(*sys.exc_info())
         return 1
     return 0
 

@@ -44,14 +44,10 @@ from typing import Any, Callable, Optional
 
 from ftc10d.launch.config import LaunchConfig, parse_address
 from ftc10d.launch.env import base_env, worker_env
-from ftc10d.types import InvalidOptionError
+from ftc10d.types import EXIT_STOP_JOB, InvalidOptionError
 
 logger = logging.getLogger("ftc10d")
 
-#: A worker that exits with this code stops the whole job instead of being respawned: the job
-#: itself cannot go on (``ftc10d.ReplicaDivergenceError``: the replicas differ, so a replacement
-#: would only receive a wrong state). The launcher stops the other workers and exits with it.
-EXIT_STOP_JOB = 86
 
 _PR_SET_PDEATHSIG = 1
 #: How long workers get to exit after SIGTERM/SIGINT before they are SIGKILLed.

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from ftc10d.membership import Member, MembershipStore, ReconnectingTCPStore, TCPMembershipStore
 from ftc10d.membership.records import TOKEN_ENV
 from ftc10d.pg import ProcessGroup
-from ftc10d.types import InvalidOptionError
+from ftc10d.types import EXIT_STOP_JOB, InvalidOptionError, ReplicaDivergenceError, StateLostError
 
 logger = logging.getLogger("ftc10d")
 
@@ -160,4 +161,28 @@ def init_from_env(
     ).join().attach(pg)
     cfg = member.sync(pg, timeout=admission_timeout)
     logger.info("worker %d: admitted at epoch %d as rank %d of %d", os.getpid(), cfg.epoch, pg.rank(), pg.size())
+    if env.launch_id:
+        _stop_job_on_uncaught()
     return pg, member
+
+
+def _stop_job_on_uncaught() -> None:
+    """Under ``ftc10d launch``: an uncaught StateLostError or ReplicaDivergenceError exits with
+    ``EXIT_STOP_JOB`` after its traceback is printed, so that the launcher stops the job instead
+    of respawning the worker into the same loss (each respawn would wait ``sync_timeout`` for a
+    holder that is gone, or receive a diverged state). Any other exception keeps exit code 1."""
+    previous = sys.excepthook
+
+    def hook(kind: type, exc: BaseException, tb: Any) -> None:
+        previous(kind, exc, tb)
+        if isinstance(exc, (StateLostError, ReplicaDivergenceError)):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            logger.error("worker %d: %s: the job cannot go on; exiting %d so that the launcher stops it",
+                         os.getpid(), kind.__name__, EXIT_STOP_JOB)
+            os._exit(EXIT_STOP_JOB)
+
+    if getattr(previous, "_ftc10d_stop_job", False):
+        return
+    hook._ftc10d_stop_job = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
