@@ -49,6 +49,7 @@ commit in each configuration, one by a single rank per recovery; per step, one c
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -108,6 +109,9 @@ class Reporter:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ftc10d-progress", daemon=True)
             self._thread.start()
+            # Stopped before the interpreter tears down: a daemon thread caught inside a TCPStore
+            # call at finalization can abort the process ("terminate called without an active exception").
+            atexit.register(self.close)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
