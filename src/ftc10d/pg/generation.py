@@ -20,6 +20,7 @@ Store layout of a rendezvous (keys under the group's store)::
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import threading
@@ -302,7 +303,10 @@ class Generation:
         holder = [self.comm.retire()]
         self.backend = None
         if holder[0] is not None:
-            threading.Thread(target=_release, args=(holder,), name="ftc10d-retire", daemon=True).start()
+            thread = threading.Thread(target=_release, args=(holder,), name="ftc10d-retire", daemon=True)
+            with _retiring_lock:
+                _retiring.add(thread)
+            thread.start()
 
     def _running(self) -> set[int]:
         """ids of the backend works of the ops in flight not completed now."""
@@ -377,9 +381,43 @@ def _settle(inner: Any, entry: Optional[OpRecord], comm: Communicator) -> None:
         entry.fail(_ENTRY_FAILURE.get(comm.classify(exc), "communication error"))
 
 
+#: Retire threads still dropping a backend; joined at interpreter exit (``_join_retiring``).
+_retiring: set[threading.Thread] = set()
+_retiring_lock = threading.Lock()
+#: How long the interpreter's exit waits for them.
+RETIRE_AT_EXIT_S = 10.0
+
+
 def _release(holder: list[Any]) -> None:
     """Drop the retired backend: ``holder`` holds its last reference (see ``Generation.retire``)."""
     holder.clear()
+    with _retiring_lock:
+        _retiring.discard(threading.current_thread())
+
+
+def _join_retiring(timeout: float = RETIRE_AT_EXIT_S) -> None:
+    """At interpreter exit, wait for the retire threads (registered with ``atexit``).
+
+    Why: a retire thread is a daemon thread inside ``ProcessGroupGloo``'s C++ destructor (it
+    joins Gloo's threads and closes sockets). If the interpreter finalizes meanwhile, the
+    thread is killed as it comes back into Python (``pthread_exit``), whose forced unwind
+    through a ``noexcept`` C++ frame calls ``std::terminate``: the process aborted ("terminate
+    called without an active exception", SIGABRT) after a script's clean
+    ``destroy_process_group(); sys.exit(0)``. A backend destroyed after a clean shutdown takes
+    milliseconds; one whose op an abort abandoned can take up to that op's timeout, so the
+    wait is bounded."""
+    deadline = time.monotonic() + timeout
+    with _retiring_lock:
+        threads = list(_retiring)
+    for thread in threads:
+        thread.join(max(deadline - time.monotonic(), 0.0))
+    late = [t for t in threads if t.is_alive()]
+    if late:
+        logger.warning("exit: %d retired process group backend(s) still closing after %.0f s (an op an abort "
+                       "abandoned is still running in Gloo); the process may abort as it exits", len(late), timeout)
+
+
+atexit.register(_join_retiring)
 
 
 # ------------------------------------------------------------------- rendezvous
