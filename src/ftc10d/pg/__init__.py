@@ -2,6 +2,7 @@
 
 from ftc10d.pg.c10d import get_reconfigure_handle, init_process_group, reconfigure, supports_reconfigure
 from ftc10d.pg.process_group import ProcessGroup
+from ftc10d.pg import debug as _debug
 from ftc10d.pg import torch_hooks as _torch_hooks
 from ftc10d.pg.observer import GROUP_CREATED as _GROUP_CREATED
 from ftc10d.pg.subgroups import register_backend as _register_backend
@@ -14,6 +15,8 @@ _register_backend()
 # (ftc10d.pg.torch_hooks).
 _torch_hooks.install()
 _GROUP_CREATED.append(_torch_hooks.on_group_created)
+# dist.monitored_barrier on ftc10d groups (ftc10d.pg.debug).
+_debug.install()
 
 __all__ = [
     "ProcessGroup",

@@ -665,6 +665,25 @@ class ProcessGroup(dist.ProcessGroup):
         o = _opts(_c10d.BarrierOptions, opts)
         return self._issue(HookOpName.BARRIER, "barrier", [], [], -1, o.asyncOp, lambda b: b.barrier(o), [])
 
+    def monitored_barrier(self, timeout: Optional[timedelta] = None, wait_all_ranks: bool = False) -> None:
+        """torch's ``monitored_barrier`` on the current configuration: Gloo's own (rank 0 waits
+        for every rank within ``timeout`` and raises ``RuntimeError`` naming the ranks that did
+        not arrive; the others wait for rank 0), run on this configuration's Gloo backend, so
+        that its messages are torch's word for word. Blocking and synchronous like torch's; not
+        hooked or recorded (torch's is no dispatcher op either); an abort ends it by cutting the
+        connections it waits on. ``dist.monitored_barrier(group=pg)`` lands here
+        (:mod:`ftc10d.pg.debug`)."""
+        gen = self._gen
+        if gen is None:
+            raise NotConfiguredError("this ftc10d group has no configuration yet; call reconfigure() first")
+        if gen.aborted:
+            raise gen.aborted_error("monitored_barrier", gen.collective_seq + 1)
+        inner = getattr(gen.backend, "monitored_barrier", None)
+        if inner is None or not isinstance(gen.backend, dist.ProcessGroupGloo):
+            raise InvalidOptionError("monitored_barrier is only implemented for Gloo (as in torch); this group's "
+                                     f"configurations run on {type(gen.backend).__name__}")
+        inner(timeout if timeout is not None else self._timeout, wait_all_ranks)
+
     # ---------------------------------------------------------------- p2p
 
     def send(self, tensors: Any, dstRank: int, tag: int = 0) -> dist.Work:

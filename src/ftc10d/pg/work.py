@@ -315,8 +315,13 @@ class Work(dist.Work):
     def result(self) -> Any:
         return self._result
 
-    def source_rank(self) -> int:
-        return int(self._inner.source_rank())
+    def _source_rank(self) -> int:
+        """The sender of a completed ``recv_anysource`` (torch's ``dist.recv(t)`` without ``src``
+        reads it under this name); ``source_rank()`` is the same."""
+        inner = self._inner
+        return int(inner._source_rank() if hasattr(inner, "_source_rank") else inner.source_rank())
+
+    source_rank = _source_rank
 
     def synchronize(self) -> None:
         self.wait()
