@@ -277,7 +277,15 @@ class Member:
         with self._api_lock:
             self._store.put(key, self._signer.encode(key, body))
 
-    def merge_fact(self, name: str, body: dict[str, Any], merge: Merge) -> dict[str, Any]:
+    def connection(self) -> MembershipStore:
+        """A connection of the caller's own to this member's store, for a background thread's
+        :meth:`merge_fact` (``store=``): it then never waits behind, nor delays, the calls made
+        on the member's own connection (a store outage blocks a call up to its reconnect
+        timeout). Close it when done."""
+        return self._store.clone()
+
+    def merge_fact(self, name: str, body: dict[str, Any], merge: Merge, *,
+                   store: Optional[MembershipStore] = None) -> dict[str, Any]:
         """Atomically replace the fact ``name`` by ``merge(stored, body)`` (``stored``: the
         fact now, None if absent or not verifiable) and return what the store holds after.
 
@@ -285,12 +293,16 @@ class Member:
         never lose each other's updates: with a monotone ``merge`` (e.g. a maximum) the fact
         only ever grows. The member remembers ``(body, merge)`` and merges it again after a
         store restart that lost every record (the members re-form the configuration from
-        what they remember; the facts come back the same way). Raises
+        what they remember; the facts come back the same way). ``store``: a connection from
+        :meth:`connection` to use instead of the member's own (no lock taken). Raises
         :class:`ftc10d.StoreUnavailableError` when the store cannot be reached."""
         key = f"fact/{name}"
-        with self._api_lock:
-            out = _merge_into(self._store, self._signer, key, body, merge)
-            self._merged[name] = (body, merge)
+        if store is not None:
+            out = _merge_into(store, self._signer, key, body, merge)
+        else:
+            with self._api_lock:
+                out = _merge_into(self._store, self._signer, key, body, merge)
+        self._merged[name] = (body, merge)
         return out
 
     def fact(self, name: str) -> Optional[dict[str, Any]]:

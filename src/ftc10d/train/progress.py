@@ -114,15 +114,21 @@ class Reporter:
             atexit.register(self.close)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            ident = self._latest
-            if ident is None or ident == self._written:
-                continue
-            try:
-                self.member.merge_fact(FACT, {"reached": list(ident)}, merge)
-                self._written = ident
-            except Exception as exc:  # noqa: BLE001 - best effort, see the class docstring
-                logger.debug("manager: could not report the job's progress %s: %s", ident, exc)
+        # A connection of its own: during a store outage this thread's merge waits out the
+        # reconnect, and must not hold the member's connection (and lock) while it does.
+        store = self.member.connection()
+        try:
+            while not self._stop.wait(self.interval):
+                ident = self._latest
+                if ident is None or ident == self._written:
+                    continue
+                try:
+                    self.member.merge_fact(FACT, {"reached": list(ident)}, merge, store=store)
+                    self._written = ident
+                except Exception as exc:  # noqa: BLE001 - best effort, see the class docstring
+                    logger.debug("manager: could not report the job's progress %s: %s", ident, exc)
+        finally:
+            store.close()
 
     def close(self) -> None:
         self._stop.set()
