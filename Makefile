@@ -28,7 +28,7 @@ STAMP212 := $(VENV212)/.ftc10d-installed
 STAMP215 := $(VENV215)/.ftc10d-installed
 
 .DEFAULT_GOAL := help
-.PHONY: gpu-check help etcd venv venv214 venv211 venv212 venv215 test test-torch214 test-torch211 test-torch212 test-torch215 demo demo-hsdp bench clean distclean
+.PHONY: gpu-check test-torch-suite help etcd venv venv214 venv211 venv212 venv215 test test-torch214 test-torch211 test-torch212 test-torch215 demo demo-hsdp bench clean distclean
 
 help:  ## list the targets
 	@echo "make demo            train on 4 workers while one is killed and one frozen; watch it recover in place"
@@ -38,6 +38,7 @@ help:  ## list the targets
 	@echo "make test-torch211   ... on torch $(TORCH211_VERSION) (in $(VENV211); a CUDA build from the registry, GBs)"
 	@echo "make test-torch212   ... on torch $(TORCH212_VERSION) (in $(VENV212); a CUDA build from the registry, GBs)"
 	@echo "make test-torch215   ... on torch $(TORCH215_VERSION) (in $(VENV215); a CUDA build from the registry, GBs)"
+	@echo "make test-torch-suite torch's own distributed suite on Gloo and on ftc10d (torch $(TORCH215_VERSION)); fails on any test passing on Gloo only"
 	@echo "make bench           run the scripts in benchmarks/"
 	@echo "make gpu-check       NCCL adapter checks and benchmarks on this machine's GPU and torch (installs nothing)"
 	@echo "make venv            only build $(VENV)"
@@ -108,6 +109,14 @@ test-torch212: $(STAMP212) etcd
 
 test-torch215: $(STAMP215) etcd
 	$(VENV215)/bin/python -m pytest -q $(PYTEST_ARGS) $(TESTS)
+
+# torch's own distributed test suite (DistributedTest._DistTestBase, in the wheel), on Gloo and on
+# ftc10d, the same selection, both held to Gloo's expectations (tests/torch_suite). Not in CI yet:
+# a full run at world sizes 2 and 3 has not been timed on this machine. SUITE_ARGS="-k EXPR" picks tests.
+SUITE_ARGS ?=
+test-torch-suite: $(STAMP215)
+	PIP_CONSTRAINT=$(VENV215)/torch-pin.txt $(VENV215)/bin/python -m pip install $(PIP_FLAGS) expecttest
+	$(VENV215)/bin/python -m tests.torch_suite.compare --world-sizes 2,3 $(SUITE_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/ftc10d demo

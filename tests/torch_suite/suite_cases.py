@@ -1,0 +1,63 @@
+"""torch's own distributed test suite (``DistributedTest._DistTestBase``, shipped in the torch
+wheel) on a chosen backend: run by :mod:`tests.torch_suite.compare`, not by ``make test``
+(its file name is not ``test_*.py``).
+
+The suite reads ``BACKEND`` to decide what to expect; it is always ``gloo`` here, so that an
+ftc10d group is held to *Gloo's* expectations (its semantics, its error messages). The group
+the suite's processes actually create is ``FTC10D_SUITE_BACKEND`` (``gloo`` or ``ftc10d``):
+``TestDistBackend._run`` is torch's, but for that one name. ``WORLD_SIZE`` and ``TEMP_DIR``
+are torch's; the comparer sets them."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from datetime import timedelta
+
+os.environ["BACKEND"] = "gloo"
+os.environ.setdefault("WORLD_SIZE", "2")
+os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="ftc10d-torch-suite-"))
+REAL_BACKEND = os.environ.get("FTC10D_SUITE_BACKEND", "gloo")
+
+import torch.distributed as dist  # noqa: E402
+
+import ftc10d  # noqa: E402,F401 - registers the "ftc10d" backend in every spawned process
+from torch.testing._internal.common_distributed import TEST_SKIPS  # noqa: E402
+from torch.testing._internal.distributed import distributed_test as _dt  # noqa: E402
+from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
+
+
+class TestTorchSuite(TestDistBackend, DistributedTest._DistTestBase):
+    """torch's ``TestDistBackendWithSpawn`` (test/distributed/test_distributed_spawn.py, which
+    the wheel lacks), with the group made on ``FTC10D_SUITE_BACKEND``."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self._spawn_processes()
+
+    @classmethod
+    def _run(cls, rank: int, test_name: str, file_name: str, pipe: object, **kwargs: object) -> None:
+        # torch's TestDistBackend._run, the backend name aside
+        self = cls(test_name)
+        self.rank = rank
+        self.file_name = file_name
+        timeout = timedelta(seconds=_dt.CUSTOM_PG_TIMEOUT.get(test_name, _dt.default_pg_timeout))
+        try:
+            dist.init_process_group(init_method=self.init_method, backend=REAL_BACKEND,
+                                    world_size=int(self.world_size), rank=self.rank, timeout=timeout)
+        except RuntimeError as e:
+            if "recompile" in e.args[0]:
+                sys.exit(TEST_SKIPS["backend_unavailable"].exit_code)
+            raise
+        self._barrier()
+        self.run_test(test_name, pipe)
+        self._barrier()
+        dist.destroy_process_group()
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    from torch.testing._internal.common_utils import run_tests
+
+    run_tests()
