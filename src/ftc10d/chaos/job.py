@@ -35,6 +35,7 @@ Kept free of ``tests/`` so that ``ftc10d chaos`` runs from an installed package.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -63,6 +64,8 @@ IN, HIDDEN, OUT, GLOBAL_BATCH = 32, 64, 4, 64
 LR = 1e-2
 #: A worker short of the final step this long after the first one finished is out of the job.
 STRANDED_S = 10.0
+#: A step (from zero_grad to the next one) longer than this dumps every thread's stack to the log.
+STUCK_DUMP_S = 5.0
 
 
 def batch_for(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,6 +292,9 @@ def _train(opts: dict[str, Any], slot: int, restart: int, log: EventLog) -> int:
     steps = int(opts["steps"])
     interval = float(opts.get("interval", 0.0))
     while manager.step < steps:
+        # A step that takes longer than any pause the trial allows dumps every thread's stack into
+        # the worker's log (diagnosis of a long pause; a recovery's waits dump too: read them so).
+        faulthandler.dump_traceback_later(STUCK_DUMP_S, exit=False)
         try:
             opt.zero_grad()
         except JobFinished as exc:  # FT-HSDP: waited for its replica while the others finished
@@ -310,6 +316,7 @@ def _train(opts: dict[str, Any], slot: int, restart: int, log: EventLog) -> int:
             log.emit("aborted", step=manager.step, member=manager.member.id)
         if interval:
             time.sleep(interval)
+    faulthandler.cancel_dump_traceback_later()
     done.set()
     guards.check("exit")
     log.emit("final", step=manager.step, hash=manager.state_hash(), member=manager.member.id, **shard)
