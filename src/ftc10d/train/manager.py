@@ -58,6 +58,15 @@ collective does when a peer dies half way (some ranks complete it, others fail):
    non-deterministic update), raises :class:`ftc10d.ReplicaDivergenceError` on
    every rank, naming the ranks and member ids that differ from the majority,
    instead of training on with different models.
+
+Why no recovery ever continues from a state older than the newest the job committed
+(invariant 8: no second history), which (3) alone does not give when every holder of the
+newest state is gone and an older one comes back (a member frozen past the heartbeat, resumed
+after the others who went on without it died): the membership records each configuration's
+epoch before any rank applies its first step there, and a recovery continues only from an
+identity at least that new, else waits for a holder and raises ``StateLostError``. The
+argument, and its one exception (a partial vote whose every committer died is redone, as in
+3), are in :mod:`ftc10d.train.progress`.
 """
 
 from __future__ import annotations
