@@ -303,7 +303,7 @@ class EtcdMembershipStore(MembershipStore):
 
     # ----------------------------------------------------------------- waiting
 
-    def wait_for(self, key: str, timeout: float) -> Optional[bytes]:
+    def wait_for(self, key: str, timeout: float, stop: Optional[threading.Event] = None) -> Optional[bytes]:
         first = self._range(key)
         kvs = first.get("kvs") or []
         if kvs:

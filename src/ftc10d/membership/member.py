@@ -608,9 +608,12 @@ class Member:
             self._cv.notify_all()
         self._pgs.clear()
         for t in self._threads:
-            # The watch thread may sit in a wait for the next configuration (up to WAIT_SLICE): it is a daemon
-            # and exits when that returns; the others stop within one interval.
-            if t is not threading.current_thread() and not t.name.endswith("watch"):
+            # Every thread stops within one interval (the watch thread's wait for the next configuration
+            # looks at _stop every poll; on etcd it may sit out its watch, up to WAIT_SLICE: not waited for).
+            # Joined, so that none is inside a store call when the interpreter exits: a daemon thread that
+            # returns from C++ during finalization aborts the process ("terminate called without an
+            # active exception"), e.g. after the coordinator closed under its reconnect attempts.
+            if t is not threading.current_thread() and (not t.name.endswith("watch") or self._store.kind == "tcp"):
                 t.join(2.0)
         try:
             self._store.revoke()
@@ -804,7 +807,7 @@ class Member:
                 cur = self._current
                 if cur is not None and cur.incarnation == self._inc and self._reform is None:
                     ag.remember(cur)  # the base of the next record if that is a delta
-                    raw = store.wait_for(cfg_key(cur.epoch + 1), WAIT_SLICE)
+                    raw = store.wait_for(cfg_key(cur.epoch + 1), WAIT_SLICE, self._stop)
                     self._reachable()
                     if raw is None or not self._running():
                         continue
@@ -820,7 +823,7 @@ class Member:
                 if latest is not None and self._adopt(latest):
                     continue
                 key = cfg_key(latest.epoch + 1) if latest is not None else KEY_START
-                store.wait_for(key, min(WAIT_SLICE, self.heartbeat_timeout))
+                store.wait_for(key, min(WAIT_SLICE, self.heartbeat_timeout), self._stop)
             except StoreUnavailableError as exc:
                 self._unreachable(exc)
                 self._stop.wait(self.heartbeat_interval)

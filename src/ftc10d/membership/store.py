@@ -22,6 +22,7 @@ be reached (after the backend's own reconnect/failover attempts).
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from typing import NamedTuple, Optional
 
@@ -114,11 +115,12 @@ class MembershipStore(ABC):
     # ---------------------------------------------------------------- waiting
 
     @abstractmethod
-    def wait_for(self, key: str, timeout: float) -> Optional[bytes]:
+    def wait_for(self, key: str, timeout: float, stop: Optional[threading.Event] = None) -> Optional[bytes]:
         """Block until ``key`` exists (or ``timeout`` seconds pass: None) and return its value.
         A new configuration must reach every waiter within milliseconds of its creation
         (an etcd watch; TCPStore: a silent ``check`` every 20 ms), and waiting must log
-        nothing: it is a member's normal state."""
+        nothing: it is a member's normal state. ``stop`` set: return None soon (a closing
+        member; a backend that cannot be interrupted returns at ``timeout``)."""
 
     # ------------------------------------------------------------------ lease
 

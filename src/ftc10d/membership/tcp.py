@@ -199,7 +199,7 @@ class TCPMembershipStore(MembershipStore):
         ids = raw.decode(errors="replace").split("\n")
         return [(i + 1, mid) for i, mid in enumerate(ids) if i + 1 > after and mid]
 
-    def wait_for(self, key: str, timeout: float) -> Optional[bytes]:
+    def wait_for(self, key: str, timeout: float, stop: Optional[threading.Event] = None) -> Optional[bytes]:
         """Block until ``key`` exists, at most ``timeout`` seconds (then None), looking every
         ``POLL_S`` with ``check``.
 
@@ -211,16 +211,21 @@ class TCPMembershipStore(MembershipStore):
         blocked, and a thread that returns from C++ while the interpreter exits aborts the
         process). ``check`` logs nothing; the price is up to ``POLL_S`` of latency and one
         small request per ``POLL_S`` per waiting member, less than its failure detector's
-        polling (``watch_interval``, heartbeat timeout / 40)."""
+        polling (``watch_interval``, heartbeat timeout / 40). ``stop`` is looked at every poll."""
         k = self._k(key)
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:
+            if stop is not None and stop.is_set():
+                return None
             if self._call(lambda c: c.check([k])):
                 return self._call(lambda c: c.get(k))
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            time.sleep(min(POLL_S, left))
+            if stop is not None:
+                stop.wait(min(POLL_S, left))
+            else:
+                time.sleep(min(POLL_S, left))
 
     def close(self) -> None:
         self._client = None
