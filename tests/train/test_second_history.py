@@ -159,7 +159,9 @@ def test_ddp_a_fenced_member_receives_while_a_holder_of_the_newest_state_lives(c
         job.close()
     pids = [job.pid(r) for r in range(3)]
     _one_history(_epochs(job.store, lambda s, p: f"epoch/{s}/{p}", pids, steps))
-    assert check_invariant(job.store, [results[0]["pid"], results[2]["pid"]], steps) >= steps - frozen_at - 12
+    # every step both committed has one fingerprint; both committed at least the steps before the freeze (how
+    # many more depends on how long rank 0 trained alone before rank 2 was back: not a fixed number)
+    assert check_invariant(job.store, [results[0]["pid"], results[2]["pid"]], steps) >= frozen_at
     assert results[0]["final"] == results[2]["final"], "live replicas differ at the end"
     got = [e[2] for e in results[2]["events"] if e[1] == "recovered"]
     assert got and got[-1]["step"] >= frozen_at + 10, results[2]["events"]
