@@ -147,8 +147,8 @@ def test_fresh_members_never_restart_a_job_that_lost_its_state_from_scratch(coor
             first.signal(r, signal.SIGKILL)
         for handle in cfg.handles:
             coordinator.agreement().report_exit(handle)
-        _late_worker_finds_the_state_lost(coordinator, first,
-                                          r"StateLostError: the job committed step \d+ of epoch \d+ .*they hold nothing")
+        _late_worker_finds_the_state_lost(
+            coordinator, first, r"StateLostError: the job committed step \d+ of epoch \d+ .*they hold nothing")
     finally:
         first.close()
 
