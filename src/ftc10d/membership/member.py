@@ -268,15 +268,6 @@ class Member:
         self.check()
         return cur
 
-    def set_fact(self, name: str, body: dict[str, Any]) -> None:
-        """Record a fact about the whole job next to the membership records (signed like
-        them), where every later member can read it: e.g. the training Manager records that
-        the job has committed a step, so that members that all start fresh can tell a new
-        job from one whose state they would silently throw away."""
-        key = f"fact/{name}"
-        with self._api_lock:
-            self._store.put(key, self._signer.encode(key, body))
-
     def connection(self) -> MembershipStore:
         """A connection of the caller's own to this member's store, for a background thread's
         :meth:`merge_fact` (``store=``): it then never waits behind, nor delays, the calls made
@@ -306,7 +297,7 @@ class Member:
         return out
 
     def fact(self, name: str) -> Optional[dict[str, Any]]:
-        """A fact recorded by :meth:`set_fact` (any member's), or None."""
+        """A fact recorded by :meth:`merge_fact` (any member's), or None."""
         key = f"fact/{name}"
         with self._api_lock:
             return self._signer.decode(key, self._store.get(key))
