@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+import ftc10d
+
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "ftc10d", "tests.harness"])
 
@@ -29,6 +31,16 @@ def host_store() -> dist.TCPStore:
 
 def client_store(port: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+
+
+def init_default_group(backend: str, rank: int, world: int, port: int, timeout: timedelta) -> None:
+    """The default group on ``backend`` ("gloo": torch's own, "ftc10d": ours), for tests that
+    hold an ftc10d group to what torch's Gloo group does on the same calls."""
+    store = dist.PrefixStore(backend, client_store(port))
+    if backend == "ftc10d":
+        ftc10d.init_process_group(store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, q: Any) -> None:

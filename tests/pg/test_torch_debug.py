@@ -13,22 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import ftc10d
 from tests import harness
 
 T = timedelta(seconds=10)
 
 
-def _init(backend: str, rank: int, world: int, port: int) -> None:
-    store = dist.PrefixStore(backend, harness.client_store(port))
-    if backend == "ftc10d":
-        ftc10d.init_process_group(store=store, rank=rank, world_size=world, timeout=T)
-    else:
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=T)
-
-
 def _recv_any(rank: int, world: int, port: int, backend: str) -> dict:
-    _init(backend, rank, world, port)
+    harness.init_default_group(backend, rank, world, port, T)
     out: dict = {}
     if rank == 0:
         got = {}
@@ -51,7 +42,7 @@ def test_recv_from_any_source_returns_the_sender(backend: str) -> None:
 
 
 def _monitored(rank: int, world: int, port: int, backend: str, late: int) -> dict:
-    _init(backend, rank, world, port)
+    harness.init_default_group(backend, rank, world, port, T)
     dist.monitored_barrier(timeout=T)  # everyone arrives: passes
     out: dict = {"first": True}
     if rank == late:

@@ -28,6 +28,14 @@ from torch.testing._internal.distributed import distributed_test as _dt  # noqa:
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
 
 
+if REAL_BACKEND == "ftc10d":
+    # torch's profiler checks run only for the backends it lists: hold ftc10d to them too
+    # (its ``ftc10d:<op>`` events, ftc10d.pg.profiling), as NCCL's and Gloo's are.
+    for _allowlist in (_dt.PROFILING_SUPPORTED_BACKENDS, _dt.CUDA_PROFILING_SUPPORTED_BACKENDS,
+                       _dt.SEND_RECV_PROFILING_SUPPORTED_BACKENDS):
+        _allowlist.append("ftc10d")
+
+
 class TestTorchSuite(TestDistBackend, DistributedTest._DistTestBase):
     """torch's ``TestDistBackendWithSpawn`` (test/distributed/test_distributed_spawn.py, which
     the wheel lacks), with the group made on ``FTC10D_SUITE_BACKEND``."""

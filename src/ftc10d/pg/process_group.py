@@ -28,6 +28,7 @@ import torch._C._distributed_c10d as _c10d
 
 from ftc10d.pg import backend as _backend
 from ftc10d.pg import handles as _handles
+from ftc10d.pg import profiling as _profiling
 from ftc10d.pg import signature as _signature
 from ftc10d.pg.generation import (
     Generation,
@@ -448,6 +449,10 @@ class ProcessGroup(dist.ProcessGroup):
     def _issue(self, hook_name: Any, op: str, inputs: Tensors, outputs: Tensors, root: int, async_op: bool,
                call: Callable[[Any], Any], result: Any, p2p: bool = False, opts: Any = None,
                validate: Optional[Callable[[int], None]] = None) -> dist.Work:
+        if _profiling.enabled():  # a profiler records: torch's events for this op (pg/profiling.py)
+            with _profiling.dispatcher_span(op):
+                return self._issue_profiled(hook_name, op, inputs, outputs, root, async_op, call, result, p2p,
+                                            opts, validate)
         sink = self._error_sink
         if sink is None:
             return self._issue_op(hook_name, op, inputs, outputs, root, async_op, call, result, p2p, opts, validate)
@@ -457,6 +462,26 @@ class ProcessGroup(dist.ProcessGroup):
             sink(exc)
             return CompletedWork(result)
         return SwallowedWork(work, sink, result)
+
+    def _issue_profiled(self, hook_name: Any, op: str, inputs: Tensors, outputs: Tensors, root: int,
+                        async_op: bool, call: Callable[[Any], Any], result: Any, p2p: bool, opts: Any,
+                        validate: Optional[Callable[[int], None]]) -> dist.Work:
+        span = _profiling.OpSpan(self.getBackendName(), op, outputs if op.startswith("recv") else inputs)
+        sink = self._error_sink
+        try:
+            work = self._issue_op(hook_name, op, inputs, outputs, root, async_op, call, result, p2p, opts, validate)
+        except CollectiveError as exc:
+            span.close()
+            if sink is None:
+                raise
+            sink(exc)
+            return CompletedWork(result)
+        except BaseException:
+            span.close()
+            raise
+        work._span = span
+        _profiling.track(span, work)
+        return work if sink is None else SwallowedWork(work, sink, result)
 
     def _issue_op(
         self,

@@ -33,6 +33,7 @@ from ftc10d.types import CollectiveError
 if TYPE_CHECKING:
     from ftc10d.pg.generation import Generation
     from ftc10d.pg.observer import OpRecord
+    from ftc10d.pg.profiling import OpSpan
 
 
 #: How often a collective's untimed wait() looks whether an abort abandoned its op.
@@ -57,6 +58,9 @@ def backend_timeout(timeout: timedelta) -> timedelta:
 
 class Work(dist.Work):
     """A pending op of one configuration (generation)."""
+
+    #: Its ``<backend>:<op>`` profiler span, while a profiler records (:mod:`ftc10d.pg.profiling`).
+    _span: Optional["OpSpan"] = None
 
     def __init__(
         self, gen: "Generation", op: str, seq: int, inner: Any, result: Any, entry: Optional["OpRecord"] = None
@@ -165,6 +169,8 @@ class Work(dist.Work):
             raise self._translate(exc, abort_inline=True) from exc
         if self._entry is not None:
             self._entry.complete()
+        if self._span is not None:  # profiled: in the profile once wait() returned (pg/profiling.py)
+            self._span.wait_closed()
         return True
 
     def p2p_backend_wait(self) -> threading.Event:
