@@ -38,7 +38,8 @@ def run_backend(backend: str, world_size: int, expr: str, out: Path) -> dict[str
     if expr:
         cmd += ["-k", expr]
     t0 = time.monotonic()
-    subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(out / f"{backend}-ws{world_size}.log", "w") as log:  # pytest's own output, kept for a failure
+        subprocess.run(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     print(f"  {backend}, world size {world_size}: {time.monotonic() - t0:.0f} s", flush=True)
     outcome: dict[str, str] = {}
     for case in ET.parse(report).getroot().iter("testcase"):

@@ -10,6 +10,7 @@ are torch's; the comparer sets them."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import sys
 import tempfile
@@ -20,6 +21,7 @@ os.environ.setdefault("WORLD_SIZE", "2")
 os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="ftc10d-torch-suite-"))
 REAL_BACKEND = os.environ.get("FTC10D_SUITE_BACKEND", "gloo")
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import ftc10d  # noqa: E402,F401 - registers the "ftc10d" backend in every spawned process
@@ -36,6 +38,16 @@ if REAL_BACKEND == "ftc10d":
         _allowlist.append("ftc10d")
 
 
+def _rank_main(cls: type, rank: int, test_name: str, file_name: str, pipe: object, env: dict) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    cls._run(rank, test_name, file_name, pipe)
+
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "ftc10d", __name__])
+
+
 class TestTorchSuite(TestDistBackend, DistributedTest._DistTestBase):
     """torch's ``TestDistBackendWithSpawn`` (test/distributed/test_distributed_spawn.py, which
     the wheel lacks), with the group made on ``FTC10D_SUITE_BACKEND``."""
@@ -43,6 +55,21 @@ class TestTorchSuite(TestDistBackend, DistributedTest._DistTestBase):
     def setUp(self) -> None:
         super().setUp()
         self._spawn_processes()
+
+    def _spawn_processes(self) -> None:
+        # torch's starts each rank with "spawn": a fresh interpreter importing torch and this
+        # suite (~3 s of CPU per rank per test, most of a run's time on 2 cores). A forkserver
+        # that imported them once starts the same `_run`, with this process's environment of
+        # now (torch's setUp points TEMP_DIR at a new directory per test).
+        self.processes = []
+        for rank in range(int(self.world_size)):
+            parent_conn, child_conn = torch.multiprocessing.Pipe()
+            proc = _CTX.Process(target=_rank_main, name=f"process {rank}",
+                                args=(type(self), rank, self._current_test_name(), self.file_name, child_conn,
+                                      dict(os.environ)))
+            proc.start()
+            self.pid_to_pipe[proc.pid] = parent_conn
+            self.processes.append(proc)
 
     @classmethod
     def _run(cls, rank: int, test_name: str, file_name: str, pipe: object, **kwargs: object) -> None:
