@@ -1,0 +1,1 @@
+"""ftc10d inside other people's trainers (``ftc10d.integrations.torchtitan``)."""
