@@ -25,7 +25,11 @@ ROOT = Path(__file__).resolve().parents[2]
 CASES = Path(__file__).with_name("suite_cases.py")
 
 #: test name -> why it is not compared (kept in step with the README).
-EXCLUDED: dict[str, str] = {}
+EXCLUDED: dict[str, str] = {
+    "test_get_backend": "asserts dist.get_backend() == $BACKEND, which is 'gloo' here (so that the rest of the suite "
+                        "holds ftc10d to Gloo's expectations); an ftc10d group's backend is 'ftc10d', and so are its "
+                        "sub-groups' (tests/pg/test_subgroups.py)",
+}
 
 
 def run_backend(backend: str, world_size: int, expr: str, out: Path) -> dict[str, str]:
@@ -65,8 +69,11 @@ def main() -> int:
                   for b, res in (("gloo", gloo), ("ftc10d", ours))}
         print(f"world size {ws}: gloo {counts['gloo']}, ftc10d {counts['ftc10d']}")
         for name, result in sorted(gloo.items()):
-            if result == "passed" and ours.get(name) != "passed" and name not in EXCLUDED:
-                regressions.append(f"world size {ws}: {name}: passes on gloo, {ours.get(name, 'missing')} on ftc10d")
+            if result == "passed" and ours.get(name) != "passed":
+                if name in EXCLUDED:
+                    print(f"  excluded: {name} ({ours.get(name, 'missing')} on ftc10d): {EXCLUDED[name]}")
+                else:
+                    regressions.append(f"world size {ws}: {name}: passes on gloo, {ours.get(name, 'missing')} on ftc10d")
     for line in regressions:
         print("REGRESSION " + line)
     print(f"reports in {out}; {len(regressions)} test(s) pass on gloo and not on ftc10d")
