@@ -73,7 +73,8 @@ def main() -> int:
                 if name in EXCLUDED:
                     print(f"  excluded: {name} ({ours.get(name, 'missing')} on ftc10d): {EXCLUDED[name]}")
                 else:
-                    regressions.append(f"world size {ws}: {name}: passes on gloo, {ours.get(name, 'missing')} on ftc10d")
+                    got = ours.get(name, "missing")
+                    regressions.append(f"world size {ws}: {name}: passes on gloo, {got} on ftc10d")
     for line in regressions:
         print("REGRESSION " + line)
     print(f"reports in {out}; {len(regressions)} test(s) pass on gloo and not on ftc10d")

@@ -202,13 +202,28 @@ class HSDPGroups:
 # ------------------------------------------------------------ local state
 
 
+def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and persistent buffers by name: what ``state_dict()`` holds, read
+    from the modules themselves. Not ``state_dict()``: a model's state-dict hooks may convert
+    (torchtitan's llama3 splits its fused ``wqkv`` into full ``wq``/``wk``/``wv``, gathering the
+    shards over the shard group): that would not be this rank's local shard, and on a replica
+    whose shard group lost a peer it would read garbage."""
+    out: dict[str, torch.Tensor] = dict(model.named_parameters())
+    for prefix, module in model.named_modules():
+        skip = getattr(module, "_non_persistent_buffers_set", set())
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in skip:
+                out[f"{prefix}.{name}" if prefix else name] = buf
+    return out
+
+
 def local_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
     """This rank's share of the model and optimizer: every parameter's and buffer's local
     shard, the optimizer's per-parameter state (its tensors' local shards) by parameter
     name, and its param groups' hyperparameters (lr, momentum...: a scheduler changes
     them; register the scheduler's own state too). Ranks of the same shard index hold
     equal ones (invariant 1 per shard)."""
-    out: dict[str, Any] = {"model": {k: _local(v) for k, v in model.state_dict().items()}}
+    out: dict[str, Any] = {"model": {k: _local(v) for k, v in _model_tensors(model).items()}}
     if optimizer is not None:
         names = {p: n for n, p in model.named_parameters()}
         out["optim"] = {names[p]: {k: (_local(v) if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
@@ -220,7 +235,7 @@ def local_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
 def load_local_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], state: dict[str, Any]) -> None:
     """Copy a :func:`local_state` of the same shard index into this rank's model and
     optimizer, in place (FSDP2's parameters stay the same objects)."""
-    own = model.state_dict()
+    own = _model_tensors(model)
     if set(own) != set(state["model"]):
         raise InvalidOptionError(f"received model state names {sorted(state['model'])} differ from this model's "
                                  f"{sorted(own)}: the same model on every rank?")
@@ -348,3 +363,33 @@ def _one_step_behind(placement: Placement, rows: list[tuple[int, bool, int, int,
         return False
     step = _target(placement, rows)[1]
     return any(r[0] == step - 1 for r in placed)
+
+
+class FSDPSettings:
+    """FSDP2's per-module communication settings (reshard after forward/backward, gradient
+    sync), captured once and restored at the start of every step.
+
+    Why: code that toggles them inside a step and leaves them changed makes a process's
+    collectives depend on how many steps *it* has run. torchtitan's chunked loss sets
+    ``reshard_after_forward(True)`` on ``[norm, lm_head]`` at the end of each step (torchtitan
+    configured False): a veteran then all-gathers that unit twice per forward, a replacement
+    in its first step once, and their shard group hangs on mismatched collectives. Restored
+    to the settings of step 1 before every step, every rank of a replica issues the same
+    collectives whatever its history (what FT-HSDP's replacements need)."""
+
+    _FIELDS = ("post_forward_mesh_info", "reshard_after_backward", "reduce_grads", "all_reduce_grads")
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._saved: list[tuple[Any, Any, dict[str, Any]]] = []
+        for m in model.modules():
+            get_state = getattr(m, "_get_fsdp_state", None)
+            if get_state is None:
+                continue
+            state = get_state()
+            for group in getattr(state, "_fsdp_param_groups", []):
+                self._saved.append((state, group, {f: getattr(group, f) for f in self._FIELDS if hasattr(group, f)}))
+
+    def restore(self) -> None:
+        for state, group, fields in self._saved:
+            for name, value in fields.items():
+                setattr(group, name, value)

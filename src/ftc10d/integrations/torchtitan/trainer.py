@@ -155,9 +155,16 @@ class FaultTolerantTrainer(Trainer):
                                      f"(got {len(self.model_parts)} and {len(self.optimizers.optimizers)}): "
                                      "pipeline parallelism and per-group optimizers are not supported yet")
         manager = self.ft_manager
-        manager.fsdp(self.model_parts[0], self.optimizers.optimizers[0])
+        # every name first: a replacement's received state is applied in fsdp(), all of it at once
         manager.register("lr_schedulers", state_dict=self.lr_schedulers.state_dict,
                          load_state_dict=self.lr_schedulers.load_state_dict)
+        manager.fsdp(self.model_parts[0], self.optimizers.optimizers[0])
+        from ftc10d.train.fsdp import FSDPSettings
+
+        self.ft_fsdp_settings = FSDPSettings(self.model_parts[0])  # restored before every step
+        # A step whose vote completed elsewhere is applied here at recovery (Manager._roll_forward_to
+        # steps the optimizer with the step's gradients): its LR step goes with it.
+        manager.add_listener(lambda kind, info: self.lr_schedulers.step() if kind == "rolled_forward" else None)
         # The data position is a function of the committed step (StepBatches), not a loader state.
         getattr(self.checkpointer, "states", {}).pop("dataloader", None)
 
@@ -177,18 +184,24 @@ class FaultTolerantTrainer(Trainer):
         while manager.step < config.training.steps:
             t0 = time.time()
             try:
+                # recover first (a roll-forward applies the last step's gradients), then zero them
+                manager.start_step()
                 self.optimizers.zero_grad()
-                manager.start_step()  # a new configuration: reconfigure and recover first
             except JobFinished as exc:
                 self.ft_events.emit("left", step=manager.step, reason=str(exc))
                 break
             k = manager.step
             self.step = k + 1
+            self.ft_fsdp_settings.restore()
             lr_metrics = self.lr_schedulers.get_metrics()
             input_dict, labels = batches.for_step(k)
             loss = grad_norm = None
             with manager.collectives():  # a failed collective fails the step, not the process
-                loss, grad_norm = self._forward_backward(input_dict, labels)
+                try:
+                    loss, grad_norm = self._forward_backward(input_dict, labels)
+                except Exception as exc:
+                    self.ft_events.emit("step_failed", step=k, error=f"{type(exc).__name__}: {exc}"[:1000])
+                    raise
             ok = manager.should_commit()
             if ok:
                 self.optimizers.step()
