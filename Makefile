@@ -17,6 +17,8 @@ VENV214         ?= .venv214
 VENV211         ?= .venv211
 VENV212         ?= .venv212
 VENV215         ?= .venv215
+VENVTITAN       ?= .venvtitan
+TRITON_VERSION  ?= 3.9.0
 PIP_FLAGS       ?= --quiet
 PYTEST_ARGS     ?=
 TESTS           ?= tests
@@ -26,9 +28,10 @@ STAMP214 := $(VENV214)/.ftc10d-installed
 STAMP211 := $(VENV211)/.ftc10d-installed
 STAMP212 := $(VENV212)/.ftc10d-installed
 STAMP215 := $(VENV215)/.ftc10d-installed
+STAMPTITAN := $(VENVTITAN)/.ftc10d-installed
 
 .DEFAULT_GOAL := help
-.PHONY: gpu-check test-torch-suite help etcd venv venv214 venv211 venv212 venv215 test test-torch214 test-torch211 test-torch212 test-torch215 demo demo-hsdp bench clean distclean
+.PHONY: gpu-check test-torch-suite test-titan demo-titan venvtitan help etcd venv venv214 venv211 venv212 venv215 test test-torch214 test-torch211 test-torch212 test-torch215 demo demo-hsdp bench clean distclean
 
 help:  ## list the targets
 	@echo "make demo            train on 4 workers while one is killed and one frozen; watch it recover in place"
@@ -38,6 +41,8 @@ help:  ## list the targets
 	@echo "make test-torch211   ... on torch $(TORCH211_VERSION) (in $(VENV211); a CUDA build from the registry, GBs)"
 	@echo "make test-torch212   ... on torch $(TORCH212_VERSION) (in $(VENV212); a CUDA build from the registry, GBs)"
 	@echo "make test-torch215   ... on torch $(TORCH215_VERSION) (in $(VENV215); a CUDA build from the registry, GBs)"
+	@echo "make demo-titan      torchtitan's llama3 on 2x2 FT-HSDP (CPU): a rank killed, then a replica (in $(VENVTITAN))"
+	@echo "make test-titan      the torchtitan integration's tests (in $(VENVTITAN): torchtitan, triton)"
 	@echo "make test-torch-suite torch's own distributed suite on Gloo and on ftc10d (torch $(TORCH215_VERSION)); fails on any test passing on Gloo only"
 	@echo "make bench           run the scripts in benchmarks/"
 	@echo "make gpu-check       NCCL adapter checks and benchmarks on this machine's GPU and torch (installs nothing)"
@@ -50,6 +55,7 @@ venv214: $(STAMP214)
 venv211: $(STAMP211)
 venv212: $(STAMP212)
 venv215: $(STAMP215)
+venvtitan: $(STAMPTITAN)
 
 # One rule per virtualenv: create, pin torch first (so resolving '.[test]' can
 # never swap it for another build), then install ftc10d editable with test extras.
@@ -80,6 +86,15 @@ endef
 $(eval $(call pinned_venv,$(VENV211),$(TORCH211_VERSION)))
 $(eval $(call pinned_venv,$(VENV212),$(TORCH212_VERSION)))
 $(eval $(call pinned_venv,$(VENV215),$(TORCH215_VERSION)))
+
+# torchtitan (ftc10d.integrations.torchtitan) in its own virtualenv: torch $(TORCH_VERSION) CPU, torchtitan and
+# triton (which torchtitan imports unconditionally; ~300 MB from the registry), pinned by a constraints file.
+$(STAMPTITAN): pyproject.toml
+	$(PYTHON) -m venv $(VENVTITAN)
+	printf 'torch==$(TORCH_VERSION)\ntriton==$(TRITON_VERSION)\n' > $(VENVTITAN)/pins.txt
+	PIP_CONSTRAINT=$(VENVTITAN)/pins.txt $(VENVTITAN)/bin/python -m pip install $(PIP_FLAGS) "torch==$(TORCH_VERSION)"
+	PIP_CONSTRAINT=$(VENVTITAN)/pins.txt $(VENVTITAN)/bin/python -m pip install $(PIP_FLAGS) -e '.[test,torchtitan]'
+	@touch $@
 
 # etcd (the HA membership backend's server) comes from Debian; installed only when missing
 # and only as root. Without it the etcd tests skip, saying why, or fail under
@@ -117,6 +132,12 @@ SUITE_ARGS ?=
 test-torch-suite: $(STAMP215)
 	PIP_CONSTRAINT=$(VENV215)/torch-pin.txt $(VENV215)/bin/python -m pip install $(PIP_FLAGS) expecttest
 	$(VENV215)/bin/python -m tests.torch_suite.compare --world-sizes 2,3 $(SUITE_ARGS)
+
+test-titan: $(STAMPTITAN)
+	$(VENVTITAN)/bin/python -m pytest -q $(PYTEST_ARGS) tests/integrations
+
+demo-titan: $(STAMPTITAN)
+	$(VENVTITAN)/bin/python -m ftc10d.integrations.torchtitan.demo
 
 demo: $(STAMP)
 	$(VENV)/bin/ftc10d demo

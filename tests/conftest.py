@@ -15,6 +15,10 @@ os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(tempfile.mkdtemp(p
 
 #: Set (to 1) where the etcd tests must run: ``.ci/run``, after ``make test`` installed etcd.
 REQUIRE_ETCD_ENV = "FTC10D_REQUIRE_ETCD"
+#: Set (to 1) where the torchtitan tests must run: ``.ci/run``'s ``make test-titan``. Their skip
+#: reasons name that target.
+REQUIRE_TITAN_ENV = "FTC10D_REQUIRE_TITAN"
+TITAN_SKIP_MARK = "make test-titan"
 
 
 @pytest.hookimpl(wrapper=True)
@@ -25,6 +29,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.skipped and os.environ.get(REQUIRE_ETCD_ENV) == "1" and ETCD_SKIP_REASON in str(report.longrepr):
         report.outcome = "failed"
         report.longrepr = f"{ETCD_SKIP_REASON}; {REQUIRE_ETCD_ENV}=1 (as in CI) requires the etcd tests to run"
+    if report.skipped and os.environ.get(REQUIRE_TITAN_ENV) == "1" and TITAN_SKIP_MARK in str(report.longrepr):
+        report.outcome = "failed"
+        report.longrepr = f"{report.longrepr}; {REQUIRE_TITAN_ENV}=1 (as in CI) requires the torchtitan tests to run"
     return report
 
 

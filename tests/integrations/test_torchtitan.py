@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torchtitan", reason="torchtitan is not installed: these tests run in `make test-titan`")
 pytest.importorskip("triton", reason="torchtitan imports triton: these tests run in `make test-titan`")
 
-from tests.integrations.titan_job import TitanJob  # noqa: E402
+from ftc10d.integrations.torchtitan.job import TitanJob  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
-"""Drive a torchtitan job on ftc10d (``ftc10d.integrations.torchtitan``) under a real
-``ftc10d launch``, inject real SIGKILLs, read back every rank's events. Used by
-``tests/integrations/test_torchtitan.py`` and ``benchmarks/titan_recovery.py``."""
+"""Drive a torchtitan job on ftc10d under a real ``ftc10d launch``, SIGKILL its workers,
+read back every rank's events (``--ftc10d.events``). Used by ``make demo-titan``
+(:mod:`.demo`), the tests (``tests/integrations/``) and ``benchmarks/titan_recovery.py``."""
 
 from __future__ import annotations
 
