@@ -257,6 +257,10 @@ def coordinator(args: argparse.Namespace) -> int:
     arg("--gpus-per-node", type=int, default=None, metavar="G",
         help="GPUs this node's workers share (default: those visible); with more workers than GPUs each "
              "worker gets its own NCCL_HOSTID, so that NCCL ranks can share a GPU"),
+    arg("--job-restarts", type=int, default=0, metavar="K",
+        help="when the job stops itself (a worker exits 86: ftc10d.StateLostError or ReplicaDivergenceError), start "
+             "every worker again, at most K times, as a new job: the script resumes from its last checkpoint "
+             "(default: 0, the launcher exits 86)"),
     arg("script", help="the training script (a Python file); it calls ftc10d.train.init_from_env()"),
     arg("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script"),
 )
@@ -291,7 +295,17 @@ def launch(args: argparse.Namespace) -> int:
         detail = " ".join(f"{k}={v}" for k, v in event.detail.items())
         print(f"ftc10d launch: {event.kind}{where}{pid} {detail}".rstrip(), file=sys.stderr, flush=True)
 
+    from ftc10d.types import EXIT_STOP_JOB
+
     code = run(config, on_event=show)
+    for attempt in range(1, max(0, args.job_restarts) + 1):
+        if code != EXIT_STOP_JOB:
+            break
+        # The job cannot go on from the live state (nobody holds its newest state, or the replicas
+        # diverged): a new job -- new membership, fresh workers -- resumes from the checkpoint.
+        print(f"ftc10d launch: the job stopped itself (exit {EXIT_STOP_JOB}); starting it again from its "
+              f"checkpoint ({attempt} of {args.job_restarts})", file=sys.stderr, flush=True)
+        code = run(config, on_event=show)
     if code == 0:
         print("ftc10d launch: every worker exited 0", file=sys.stderr, flush=True)
     else:

@@ -73,3 +73,43 @@ def test_trains_through_a_rank_then_a_whole_replica_killed(assets: tuple[str, st
     first = sum(losses[1]) / len(losses[1])
     last = sum(losses[job.steps]) / len(losses[job.steps])
     assert last < first - 1.0, (first, last)
+
+
+def test_state_lost_restarts_from_the_checkpoint(assets: tuple[str, str], tmp_path: object) -> None:
+    """Both holders of shard 0 (slot 0 of replica 0, slot 2 of replica 1) SIGKILLed at once after
+    the checkpoint of step 4: nobody holds shard 0, so after --ftc10d.sync-timeout every rank
+    raises StateLostError (exit 86) and ``ftc10d launch --job-restarts 1`` starts the job again;
+    torchtitan's trainer loads the newest checkpoint (written by one complete replica), the
+    restored state equals the checkpoint's on every rank, and the job completes."""
+    job = TitanJob(str(tmp_path), steps=10, launch_args=["--job-restarts", "1"],
+                   extra=["--checkpoint.enable", "--checkpoint.interval", "4", "--ftc10d.sync-timeout", "6"])
+    job.start(assets)
+    job.wait("the checkpoint of step 4", lambda: any(e["kind"] == "checkpoint" and e["step"] == 4
+                                                     for e in job.events()), 300)
+    job.wait("step 5", lambda: job.committed() >= 5, 120)
+    first_pids = {e["pid"] for e in job.events() if e["kind"] == "admitted"}
+    job.kill(0, 2)
+    assert job.finish(420) == 0, open(os.path.join(str(tmp_path), "launch.log")).read()[-3000:]
+    log = open(os.path.join(str(tmp_path), "launch.log")).read()
+    assert "starting it again from its checkpoint (1 of 1)" in log, log[-2000:]
+    events = job.events()
+    saved = {}
+    for e in events:
+        if e["kind"] == "checkpoint" and e["pid"] in first_pids:
+            saved[(e["step"], e["shard"])] = e["fp"]
+    assert {s for s, _ in saved} >= {4}, saved
+    lost = [e for e in events if e["kind"] == "state_lost"]
+    assert lost, "no rank reported state_lost"
+    restored = [e for e in events if e["kind"] == "restored" and e["pid"] not in first_pids]
+    assert len(restored) == 4, restored
+    newest = max(s for s, _ in saved)
+    for e in restored:
+        assert e["step"] == newest and e["fp"] == saved[(newest, e["shard"])], (e, saved)
+    second = [e for e in events if e["pid"] not in first_pids]
+    steps = {e["step"] for e in second if e["kind"] == "step" and e["ok"]}
+    assert steps == set(range(newest + 1, job.steps + 1)), sorted(steps)
+    finals = collections.defaultdict(set)
+    for e in second:
+        if e["kind"] == "final":
+            finals[e["shard"]].add(e["hash"])
+    assert len(finals) == 2 and all(len(v) == 1 for v in finals.values()), finals

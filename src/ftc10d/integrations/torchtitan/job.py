@@ -37,6 +37,7 @@ class TitanJob:
     replicas: int = 2
     shard: int = 2
     extra: list[str] = field(default_factory=list)
+    launch_args: list[str] = field(default_factory=list)
     proc: Optional[subprocess.Popen] = None
 
     def start(self, assets: tuple[str, str]) -> "TitanJob":
@@ -44,7 +45,7 @@ class TitanJob:
         env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                    HF_DATASETS_CACHE=os.path.join(self.out, "hf"), OMP_NUM_THREADS="1", FTC10D_TITAN_DEVICE="cpu")
         cmd = [sys.executable, "-m", "ftc10d", "launch", "--nproc-per-node", str(self.replicas * self.shard),
-               "--log-dir", os.path.join(self.out, "logs"), script(), *MODEL_FLAGS,
+               "--log-dir", os.path.join(self.out, "logs"), *self.launch_args, script(), *MODEL_FLAGS,
                "--ftc10d.replicas", str(self.replicas), "--ftc10d.events", self.events_dir,
                "--ftc10d.fingerprint-every", "1", "--hf-assets-path", assets[0],
                "--dataloader.dataset-path", assets[1], "--dump-folder", os.path.join(self.out, "dump"),

@@ -174,8 +174,9 @@ class FaultTolerantTrainer(Trainer):
         config, manager = self.config, self.ft_manager
         if int(os.environ.get("FTC10D_RESTART_COUNT", "0")) == 0 and manager.step == 0:
             # a job's start (every rank at once): torchtitan's own load, if there is a checkpoint
-            self.checkpointer.load(step=config.checkpoint.load_step)
-            manager.step = self.step  # the Manager counts committed steps from the checkpoint's
+            if self.checkpointer.load(step=config.checkpoint.load_step) and self.step:
+                manager.step = self.step  # the Manager counts committed steps from the checkpoint's
+                self.ft_events.emit("restored", step=self.step, fp=self.state_fingerprint())
         # (a replacement receives the live state in its first zero_grad instead)
         batches = StepBatches(self.batch_generator(self.dataloader))
         logger.info("ftc10d: training from step %d to %d", manager.step + 1, config.training.steps)
@@ -232,6 +233,13 @@ class FaultTolerantTrainer(Trainer):
             self.checkpointer_save(manager.step)
         self.ft_events.emit("final", step=manager.step, hash=manager.state_hash(), epoch=manager.epoch,
                             longest_pause=longest)
+        if manager.step >= config.training.steps:
+            # Leave together: a rank that exits while the last checkpoint is being written by
+            # another replica would make the membership abort that replica's groups under it.
+            try:
+                self.ft_groups.participants.barrier().wait()
+            except Exception as exc:  # noqa: BLE001 - a peer gone at the very end: nothing left to wait for
+                logger.info("ftc10d: final barrier: %s", exc)
 
     def _forward_backward(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,6 +261,16 @@ class FaultTolerantTrainer(Trainer):
         if dims.dp_cp_enabled:
             loss = dist_utils.dist_sum_tensor(loss, dims.shard_mesh)
         return loss, grad_norm
+
+    def state_fingerprint(self) -> str:
+        """The fingerprint of this rank's training state (model and optimizer shards, LR
+        schedulers), without the Manager's own bookkeeping: equal on every holder of a shard
+        at a step, and equal to it again once restored from that step's checkpoint."""
+        from ftc10d.train.state import fingerprint
+
+        state = self.ft_manager.state_dict()
+        state.pop("ftc10d", None)
+        return fingerprint(state)
 
     def checkpointer_save(self, step: int) -> None:
         """torchtitan's checkpoint at its interval, written by one complete replica (:mod:`.checkpoint`)."""
