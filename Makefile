@@ -31,7 +31,7 @@ STAMP215 := $(VENV215)/.ftc10d-installed
 STAMPTITAN := $(VENVTITAN)/.ftc10d-installed
 
 .DEFAULT_GOAL := help
-.PHONY: gpu-check test-torch-suite test-titan demo-titan venvtitan help etcd venv venv214 venv211 venv212 venv215 test test-torch214 test-torch211 test-torch212 test-torch215 demo demo-hsdp bench clean distclean
+.PHONY: gpu-check test-torch-suite test-titan demo-titan bench-titan venvtitan help etcd venv venv214 venv211 venv212 venv215 test test-torch214 test-torch211 test-torch212 test-torch215 demo demo-hsdp bench clean distclean
 
 help:  ## list the targets
 	@echo "make demo            train on 4 workers while one is killed and one frozen; watch it recover in place"
@@ -44,7 +44,7 @@ help:  ## list the targets
 	@echo "make demo-titan      torchtitan's llama3 on 2x2 FT-HSDP (CPU): a rank killed, then a replica (in $(VENVTITAN))"
 	@echo "make test-titan      the torchtitan integration's tests (in $(VENVTITAN): torchtitan, triton)"
 	@echo "make test-torch-suite torch's own distributed suite on Gloo and on ftc10d (torch $(TORCH215_VERSION)); fails on any test passing on Gloo only"
-	@echo "make bench           run the scripts in benchmarks/"
+	@echo "make bench           run the scripts in benchmarks/ (bench-titan: torchtitan's, in $(VENVTITAN))"
 	@echo "make gpu-check       NCCL adapter checks and benchmarks on this machine's GPU and torch (installs nothing)"
 	@echo "make venv            only build $(VENV)"
 	@echo "make clean           remove build outputs and caches (keeps the virtualenvs)"
@@ -150,10 +150,15 @@ demo-hsdp: $(STAMP)
 bench: $(STAMP)
 	@set -e; found=0; \
 	for f in benchmarks/*.py; do \
-	  case "$$(basename "$$f")" in _*|'*.py') continue;; esac; \
+	  case "$$(basename "$$f")" in _*|'*.py'|titan_*) continue;; esac; \
 	  found=1; echo "== $$f"; PYTHONPATH=. $(VENV)/bin/python "$$f"; \
 	done; \
 	if [ $$found = 0 ]; then echo "no benchmarks in benchmarks/ yet"; fi
+
+# torchtitan's benchmarks run in its virtualenv (make venvtitan).
+bench-titan: $(STAMPTITAN)
+	PYTHONPATH=. $(VENVTITAN)/bin/python benchmarks/titan_step.py
+	PYTHONPATH=. $(VENVTITAN)/bin/python benchmarks/titan_step.py --recovery
 
 clean:
 	rm -rf build dist src/*.egg-info .pytest_cache demo-out bench-out

@@ -237,3 +237,20 @@ def test_an_uncaught_state_loss_stops_the_job_instead_of_respawning(tmp_path: Pa
     assert f"{kind}: test:" in logs, logs  # the traceback, printed as python does
     restarted = (tmp_path / "worker1.1.err").exists()
     assert restarted == (code == 1), sorted(p.name for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("restarts,launches,code", [(1, 2, 0), (0, 2, 86), (2, 5, 86)])
+def test_job_restarts_start_a_job_that_stopped_itself_again(tmp_path: Path, restarts: int, launches: int,
+                                                            code: int) -> None:
+    """``ftc10d launch --job-restarts K``: a job whose worker exits EXIT_STOP_JOB (86) is started
+    again as a new job (new launch id, every worker fresh), at most K times; the launcher's exit
+    code is the last job's."""
+    script = str(SCRIPTS / "stop_job_until.py")
+    proc = subprocess.run([sys.executable, "-m", "ftc10d", "launch", "--nproc-per-node", "2", "--job-restarts",
+                           str(restarts), script, str(tmp_path), str(launches)], env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    jobs = {p.name.split(".")[0] for p in tmp_path.iterdir()}
+    assert len(jobs) == min(restarts + 1, launches), (jobs, proc.stderr[-2000:])
+    assert {p.read_text() for p in tmp_path.iterdir()} == {"0"}  # fresh workers, not respawns
+    assert proc.stderr.count("starting it again from its checkpoint") == len(jobs) - 1

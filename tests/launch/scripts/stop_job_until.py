@@ -1,0 +1,12 @@
+"""A worker that stops the job (exit 86, EXIT_STOP_JOB) until the job has been started N times:
+``stop_job_until.py DIR N``. Each worker records its launch id in DIR."""
+
+import os
+import sys
+from pathlib import Path
+
+out, launches = Path(sys.argv[1]), int(sys.argv[2])
+launch_id = os.environ["FTC10D_LAUNCH_ID"]
+(out / f"{launch_id}.{os.environ['RANK']}").write_text(os.environ.get("FTC10D_RESTART_COUNT", ""))
+seen = {p.name.split(".")[0] for p in out.iterdir()}
+sys.exit(0 if len(seen) >= launches else 86)
