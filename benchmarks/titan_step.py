@@ -6,7 +6,8 @@ step when nothing fails, and what a SIGKILL costs (issue 26). Run in the torchti
 Per step: the same model (llama3 debugmodel), data, flags and 4 processes (2 replicas x 2 FSDP2
 shards, CPU, Gloo), launched alternately (A B A B ...: this machine is noisy), each measured as
 the median interval between rank 0's consecutive torchtitan metric lines (``--metrics.log-freq
-1``) over steps 6..N (the first steps warm up). A = torchtitan's ``--parallelism.data-parallel-
+1``) over steps 6..N (the first steps warm up); the ratio is the median over rounds of each
+round's back-to-back pair (ftc10d / torchtitan). A = torchtitan's ``--parallelism.data-parallel-
 replicate-degree 2 --parallelism.data-parallel-shard-degree 2`` (its own 2-D mesh of plain Gloo
 groups); B = ``--module ftc10d.integrations.torchtitan`` (ftc10d groups, the commit vote, the
 replicate all-reduce through ftc10d's group). Prints each round and the ratio of the medians.
@@ -109,8 +110,11 @@ def main() -> int:
             print(f"round {r} {kind:10s}: median step {res[kind][-1] * 1e3:7.1f} ms  ({time.monotonic() - t0:.0f} s)",
                   flush=True)
     a, b = statistics.median(res["torchtitan"]), statistics.median(res["ftc10d"])
-    print(f"torchtitan HSDP (plain Gloo) {a * 1e3:.1f} ms/step | ftc10d FT-HSDP {b * 1e3:.1f} ms/step | "
-          f"ratio {b / a:.3f}x (median of {args.rounds} rounds, steps 6..{args.steps})")
+    pairs = [y / x for x, y in zip(res["torchtitan"], res["ftc10d"])]  # each round's two runs, back to back
+    print(f"torchtitan HSDP (plain Gloo) {a * 1e3:.1f} ms/step | ftc10d FT-HSDP {b * 1e3:.1f} ms/step "
+          f"(medians of {args.rounds} rounds, steps 6..{args.steps})")
+    print(f"ratio ftc10d / torchtitan: median of the rounds' pairs {statistics.median(pairs):.3f}x "
+          f"(pairs: {', '.join(f'{r:.3f}' for r in pairs)})")
     return 0
 
 
