@@ -77,7 +77,9 @@ def recovery(out: str, assets: tuple[str, str], steps: int) -> None:
         raise RuntimeError(f"the job failed; see {out}")
     ev = job.events()
     commits = [e for e in ev if e["kind"] == "step" and e["ok"]]
-    survivor = min(e["t"] for e in commits if e["t"] > t_kill and e["replica"] == 1)
+    # the first step replica 1 *started* after the kill and committed (the one in flight fails: its
+    # vote needs every participant; a commit that was landing at the kill does not count)
+    survivor = min(e["t"] for e in commits if e["t0"] > t_kill and e["replica"] == 1)
     replacement = min(e["t"] for e in commits if e["slot"] == 1 and e["restart"] == 1)
     times = sorted({min(x["t"] for x in commits if x["step"] == s) for s in {e["step"] for e in commits}})
     gaps = [b - a for a, b in zip(times, times[1:])]
