@@ -450,9 +450,18 @@ class ProcessGroup(dist.ProcessGroup):
                call: Callable[[Any], Any], result: Any, p2p: bool = False, opts: Any = None,
                validate: Optional[Callable[[int], None]] = None) -> dist.Work:
         if _profiling.enabled():  # a profiler records: torch's events for this op (pg/profiling.py)
-            with _profiling.dispatcher_span(op):
-                return self._issue_profiled(hook_name, op, inputs, outputs, root, async_op, call, result, p2p,
-                                            opts, validate)
+            shapes_of = outputs if op.startswith("recv") else inputs
+            with _profiling.dispatcher_span(op), _profiling.op_span(self.getBackendName(), op, shapes_of) as span:
+                work = self._issue_with_sink(hook_name, op, inputs, outputs, root, async_op, call, result, p2p,
+                                             opts, validate)
+                span.follow(work)
+                return work
+        return self._issue_with_sink(hook_name, op, inputs, outputs, root, async_op, call, result, p2p, opts,
+                                     validate)
+
+    def _issue_with_sink(self, hook_name: Any, op: str, inputs: Tensors, outputs: Tensors, root: int,
+                         async_op: bool, call: Callable[[Any], Any], result: Any, p2p: bool, opts: Any,
+                         validate: Optional[Callable[[int], None]]) -> dist.Work:
         sink = self._error_sink
         if sink is None:
             return self._issue_op(hook_name, op, inputs, outputs, root, async_op, call, result, p2p, opts, validate)
@@ -462,26 +471,6 @@ class ProcessGroup(dist.ProcessGroup):
             sink(exc)
             return CompletedWork(result)
         return SwallowedWork(work, sink, result)
-
-    def _issue_profiled(self, hook_name: Any, op: str, inputs: Tensors, outputs: Tensors, root: int,
-                        async_op: bool, call: Callable[[Any], Any], result: Any, p2p: bool, opts: Any,
-                        validate: Optional[Callable[[int], None]]) -> dist.Work:
-        span = _profiling.OpSpan(self.getBackendName(), op, outputs if op.startswith("recv") else inputs)
-        sink = self._error_sink
-        try:
-            work = self._issue_op(hook_name, op, inputs, outputs, root, async_op, call, result, p2p, opts, validate)
-        except CollectiveError as exc:
-            span.close()
-            if sink is None:
-                raise
-            sink(exc)
-            return CompletedWork(result)
-        except BaseException:
-            span.close()
-            raise
-        work._span = span
-        _profiling.track(span, work)
-        return work if sink is None else SwallowedWork(work, sink, result)
 
     def _issue_op(
         self,

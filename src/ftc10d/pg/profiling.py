@@ -21,9 +21,10 @@ So while a profiler records (one C call to ask, nothing else otherwise), each op
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -93,6 +94,25 @@ class OpSpan:
     def wait_closed(self) -> None:
         """Called by ``Work.wait()`` once the op completed: the closer is at most a poll away."""
         self.closed.wait(timeout=5.0)
+
+
+    def follow(self, work: Any) -> None:
+        """Close this span once ``work`` (the op's ftc10d Work, or a wrapper of it) completed."""
+        inner = getattr(work, "_work", work)  # SwallowedWork wraps the op's Work
+        if hasattr(inner, "_span"):
+            inner._span = self  # its wait() returns once the span is closed
+        track(self, work)
+
+
+@contextlib.contextmanager
+def op_span(backend: str, op: str, inputs: list[torch.Tensor]) -> Iterator[OpSpan]:
+    """An :class:`OpSpan` for the op issued inside; closed at once if issuing it raised."""
+    span = OpSpan(backend, op, inputs)
+    try:
+        yield span
+    except BaseException:
+        span.close()
+        raise
 
 
 class _Closer:
