@@ -284,6 +284,14 @@ class Manager:
     def registered_fsdp(self) -> bool:
         return _HSDP in self._states
 
+    @property
+    def awaiting_model(self) -> bool:
+        """FT-HSDP: True on a replacement between :meth:`device_mesh` (where it received its
+        shards' state from a live rank) and :meth:`fsdp` (where that state is applied). Its
+        model's initial values are overwritten then: it may skip initialising them, and must
+        not run collectives on the shard group to do so (its peers are training)."""
+        return self._pending_state is not None
+
     def device_mesh(self) -> Any:
         """FT-HSDP: the 1-D ``DeviceMesh`` of this rank's shard group, for
         ``fully_shard(module, mesh=...)``. Waits for a configuration in which this rank's

@@ -29,13 +29,14 @@ Every rank also writes its steps and ftc10d's events (pause, recoveries, members
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torchtitan.trainer import Trainer
@@ -104,6 +105,37 @@ class StepBatches:
         return batch
 
 
+@contextlib.contextmanager
+def _received_parameters(joining: Callable[[], bool]) -> Iterator[None]:
+    """On a replacement, torchtitan's parameter initialisation only zeroes the local shards.
+
+    Its parameters are overwritten by the state it received (``Manager.fsdp``), and initialising
+    them as torchtitan does would run collectives on the shard group while the replica's live
+    ranks are training: on torch 2.15, ``trunc_normal_`` on a sharded DTensor redistributes (an
+    all-gather of its mask) and the replacement waited there forever. Buffers (the RoPE cache)
+    are still computed as torchtitan does: they are not part of the state.
+    """
+    from torchtitan.protocols.module import Module
+
+    from ftc10d.train.fsdp import _local
+
+    original = Module._init_self_parameters
+
+    def init_self_parameters(module: Any) -> None:
+        if not joining():  # the job's start, or a restart from a checkpoint: torchtitan's init
+            original(module)
+            return
+        with torch.no_grad():
+            for _, param in module.named_parameters(recurse=False):
+                _local(param).zero_()
+
+    Module._init_self_parameters = init_self_parameters
+    try:
+        yield
+    finally:
+        Module._init_self_parameters = original
+
+
 class FaultTolerantTrainer(Trainer):
     """torchtitan's trainer with ftc10d's FT-HSDP (module docstring)."""
 
@@ -149,7 +181,8 @@ class FaultTolerantTrainer(Trainer):
                               shard_index=groups.shard_index)
 
     def __init__(self, config: "FaultTolerantTrainer.Config") -> None:
-        super().__init__(config)
+        with _received_parameters(self._awaiting_model):
+            super().__init__(config)
         if len(self.model_parts) != 1 or len(self.optimizers.optimizers) != 1:
             raise InvalidOptionError("ftc10d's torchtitan trainer needs one model part and one optimizer "
                                      f"(got {len(self.model_parts)} and {len(self.optimizers.optimizers)}): "
@@ -167,6 +200,12 @@ class FaultTolerantTrainer(Trainer):
         manager.add_listener(lambda kind, info: self.lr_schedulers.step() if kind == "rolled_forward" else None)
         # The data position is a function of the committed step (StepBatches), not a loader state.
         getattr(self.checkpointer, "states", {}).pop("dataloader", None)
+
+    def _awaiting_model(self) -> bool:
+        """Whether this rank is a replacement whose received state waits for the model
+        (``init_distributed``, called first in torchtitan's ``__init__``, received it)."""
+        manager = getattr(self, "ft_manager", None)
+        return manager is not None and manager.awaiting_model
 
     # ------------------------------------------------------------ training
 
