@@ -31,7 +31,7 @@ STAMP215 := $(VENV215)/.ftc10d-installed
 STAMPTITAN := $(VENVTITAN)/.ftc10d-installed
 
 .DEFAULT_GOAL := help
-.PHONY: gpu-check test-torch-suite test-titan test-titan215 demo-titan bench-titan venvtitan help etcd venv venv214 venv211 venv212 venv215 test test-torch214 test-torch211 test-torch212 test-torch215 demo demo-hsdp bench clean distclean
+.PHONY: gpu-check test-torch-suite test-titan test-titan214 test-titan215 demo-titan bench-titan venvtitan help etcd venv venv214 venv211 venv212 venv215 test test-torch214 test-torch211 test-torch212 test-torch215 demo demo-hsdp bench clean distclean
 
 help:  ## list the targets
 	@echo "make demo            train on 4 workers while one is killed and one frozen; watch it recover in place"
@@ -43,6 +43,7 @@ help:  ## list the targets
 	@echo "make test-torch215   ... on torch $(TORCH215_VERSION) (in $(VENV215); a CUDA build from the registry, GBs)"
 	@echo "make demo-titan      torchtitan's llama3 on 2x2 FT-HSDP (CPU): a rank killed, then a replica (in $(VENVTITAN))"
 	@echo "make test-titan      the torchtitan integration's tests (in $(VENVTITAN): torchtitan, triton)"
+	@echo "make test-titan214   the same on torch $(TORCH214_VERSION) (torchtitan added to $(VENV214))"
 	@echo "make test-titan215   the same on torch $(TORCH215_VERSION) (torchtitan added to $(VENV215))"
 	@echo "make test-torch-suite torch's own distributed suite on Gloo and on ftc10d (torch $(TORCH215_VERSION)); fails on any test passing on Gloo only"
 	@echo "make bench           run the scripts in benchmarks/ (bench-titan: torchtitan's, in $(VENVTITAN))"
@@ -137,8 +138,12 @@ test-torch-suite: $(STAMP215)
 test-titan: $(STAMPTITAN)
 	$(VENVTITAN)/bin/python -m pytest -q $(PYTEST_ARGS) tests/integrations
 
-# The same tests on torch $(TORCH215_VERSION) (its CUDA build, running on CPU): torchtitan added to $(VENV215),
-# torch held at its pin (its triton is a dependency of that build already).
+# The same tests on torch $(TORCH214_VERSION) and $(TORCH215_VERSION) (CUDA builds, running on CPU): torchtitan added to
+# their virtualenvs, torch held at its pin (their triton is a dependency of those builds already).
+test-titan214: $(STAMP214)
+	$(VENV214)/bin/python -m pip install $(PIP_FLAGS) -e '.[test,torchtitan]'
+	$(VENV214)/bin/python -m pytest -q $(PYTEST_ARGS) tests/integrations
+
 test-titan215: $(STAMP215)
 	PIP_CONSTRAINT=$(VENV215)/torch-pin.txt $(VENV215)/bin/python -m pip install $(PIP_FLAGS) -e '.[test,torchtitan]'
 	$(VENV215)/bin/python -m pytest -q $(PYTEST_ARGS) tests/integrations
