@@ -20,10 +20,13 @@ from tests import harness
 
 
 def test_the_registry_names_gloo_and_nccl_and_refuses_others() -> None:
-    assert set(ADAPTERS) == {"gloo", "nccl"}
+    assert set(ADAPTERS) == {"gloo", "nccl", "gloo-as-nccl"}
     assert adapter("gloo") is GlooCommunicator and adapter("nccl") is NcclCommunicator
     assert GlooCommunicator.cut_fails_ops and not GlooCommunicator.poll_wait
     assert not NcclCommunicator.cut_fails_ops and NcclCommunicator.poll_wait
+    # the CPU stand-in for NCCL's semantics (two-channel tests, ftc10d.pg.channels)
+    as_nccl = adapter("gloo-as-nccl")
+    assert issubclass(as_nccl, GlooCommunicator) and not as_nccl.cut_fails_ops and as_nccl.poll_wait
     with pytest.raises(ftc10d.InvalidOptionError, match=r"backend 'mpi' is not supported; choose one of"):
         adapter("mpi")
 

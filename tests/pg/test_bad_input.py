@@ -92,7 +92,7 @@ def test_bad_reconfigure_input_is_typed_and_harmless() -> None:
 def test_constructor_and_helper_errors() -> None:
     store = harness.host_store()
     with pytest.raises(ftc10d.InvalidOptionError, match=r"backend 'mpi' is not supported; choose one of \['gloo', "
-                       r"'nccl'\]"):
+                       r"'nccl', 'gloo-as-nccl'\], or one per device type"):
         ftc10d.ProcessGroup(store, 0, 1, backend="mpi")
     if not torch.cuda.is_available():  # tests/pg/test_nccl.py covers the other side on a GPU
         with pytest.raises(ftc10d.InvalidOptionError, match="backend 'nccl': .*Use backend='gloo'"):

@@ -13,6 +13,10 @@ Adapters (``ADAPTERS``, chosen by ``ProcessGroup(..., backend=...)``):
   :meth:`Communicator.cut` shuts its pair sockets down.
 - ``nccl`` (:mod:`ftc10d.pg.nccl`): ``ProcessGroupNCCL`` created non-blocking, cut by
   NCCL's own abort; imported only when asked for (it needs CUDA).
+- ``gloo-as-nccl`` (:class:`ftc10d.pg.gloo.GlooAsNccl`): Gloo declaring NCCL's abort and wait
+  semantics, so that CPU tests run the NCCL paths of the generation over real sockets.
+- ``cpu:gloo,cuda:nccl`` (:mod:`ftc10d.pg.channels`): one communicator per device type in the
+  same generation, ops dispatched by their tensors' device, as torch does.
 
 Capabilities are class attributes, False/empty by default, like c10d's ``supports*``.
 """
@@ -46,6 +50,9 @@ class Communicator(ABC):
     name: ClassVar[str]
     #: The device type whose tensors it carries (``"cpu"``, ``"cuda"``).
     device: ClassVar[str]
+    #: Every device type whose tensors it can carry (Gloo: CPU, and CUDA through the host;
+    #: NCCL: CUDA only). A two-channel group (:mod:`ftc10d.pg.channels`) dispatches by it.
+    carries: ClassVar[frozenset[str]] = frozenset({"cpu"})
     #: Ops whose backend work must be waited exactly once, on a helper thread (Gloo: send/recv,
     #: whose timed wait marks the work failed; reduce-scatter, whose wait does the op's copy).
     helper_wait_ops: ClassVar[frozenset[str]] = frozenset()
@@ -95,6 +102,15 @@ class Communicator(ABC):
         ``aborted/<rank>`` keys."""
         return None
 
+    def channel_for(self, tensors: Any) -> "Communicator":
+        """The communicator an op on ``tensors`` runs on: this one (a two-channel group picks
+        by device, :class:`ftc10d.pg.channels.Channels`)."""
+        return self
+
+    def channel_for_device(self, device: Any) -> "Communicator":
+        """The communicator that carries ``device``'s tensors (None: the CPU one)."""
+        return self
+
     def set_timeout(self, timeout: timedelta) -> None:
         """The ops' timeout, when it differs from the connect timeout."""
         self.backend.set_timeout(timeout)
@@ -110,12 +126,21 @@ class Communicator(ABC):
 ADAPTERS: dict[str, str] = {
     "gloo": "ftc10d.pg.gloo:GlooCommunicator",
     "nccl": "ftc10d.pg.nccl:NcclCommunicator",
+    "gloo-as-nccl": "ftc10d.pg.gloo:GlooAsNccl",
 }
 
 
 def adapter(name: str) -> type[Communicator]:
-    """The adapter class for ``ProcessGroup(backend=name)``; ``InvalidOptionError`` if unknown."""
+    """The adapter class for ``ProcessGroup(backend=name)``: an adapter's name, or one per
+    device type (``"cpu:gloo,cuda:nccl"``, :mod:`ftc10d.pg.channels`); ``InvalidOptionError``
+    if unknown."""
+    from ftc10d.pg import channels
+
+    pairs = channels.parse(name)
+    if pairs is not None:
+        return channels.channels_adapter(name, pairs)
     if name not in ADAPTERS:
-        raise InvalidOptionError(f"backend {name!r} is not supported; choose one of {list(ADAPTERS)}")
+        raise InvalidOptionError(f"backend {name!r} is not supported; choose one of {list(ADAPTERS)}, or one "
+                                 "per device type, e.g. 'cpu:gloo,cuda:nccl'")
     module, _, cls = ADAPTERS[name].partition(":")
     return getattr(importlib.import_module(module), cls)

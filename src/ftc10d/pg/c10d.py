@@ -96,7 +96,7 @@ def update_ranks(pg: ProcessGroup) -> None:
 
 
 def init_process_group(
-    backend: str = "gloo",
+    backend: Optional[str] = None,
     init_method: Optional[str] = None,
     timeout: timedelta = DEFAULT_TIMEOUT,
     world_size: int = -1,
@@ -109,6 +109,8 @@ def init_process_group(
 
     Rank, world size and store come from the arguments, ``init_method`` or the
     environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``), as in torch.
+    ``backend``: the group's adapter or channels (``"gloo"``, ``"cpu:gloo,cuda:nccl"``); None picks
+    as torch does (:func:`ftc10d.pg.channels.default_backend`).
     """
     if dist.is_initialized():
         raise InvalidOptionError(
@@ -126,6 +128,10 @@ def init_process_group(
     pg = ProcessGroup.__new__(ProcessGroup)
     c10d._world.default_pg = pg  # torch reads the default group through this
     try:
+        if backend is None:
+            from ftc10d.pg.channels import default_backend
+
+            backend = default_backend()
         pg.__init__(store, rank, world_size, backend=backend, timeout=timeout, enable_reconfigure=enable_reconfigure)
     except BaseException:
         c10d._world.default_pg = None

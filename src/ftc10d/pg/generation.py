@@ -273,7 +273,7 @@ class Generation:
             self.aborted = True
             # An adapter whose cut does not fail the pending ops (NCCL): those not completed now
             # are abandoned after the cut, whatever their backend wait says then.
-            running = None if self.comm.cut_fails_ops else self._running()
+            running = self._running()
             cut = 0
             try:
                 cut = self.comm.cut()
@@ -309,8 +309,10 @@ class Generation:
             thread.start()
 
     def _running(self) -> set[int]:
-        """ids of the backend works of the ops in flight not completed now."""
-        return {id(inner) for inner, _, work in list(self._pending) if not backend_done(inner, work)}
+        """ids of the backend works of the ops in flight not completed now, on a communicator whose
+        cut does not fail them (``Communicator.cut_fails_ops``; per op: a two-channel group's)."""
+        return {id(inner) for inner, _, work in list(self._pending)
+                if not (self.comm if work is None else work.comm).cut_fails_ops and not backend_done(inner, work)}
 
     def _drain(self, running: Optional[set[int]] = None) -> None:
         """Wait for the ops in flight, whose connections were just cut, to fail; abandon

@@ -144,6 +144,7 @@ class GlooCommunicator(Communicator):
 
     name = "gloo"
     device = "cpu"
+    carries = frozenset({"cpu", "cuda"})  # CUDA tensors through the host, as torch's Gloo
     helper_wait_ops = P2P_OPS | WAIT_COMPLETES_OPS
     wait_completes_ops = WAIT_COMPLETES_OPS
 
@@ -229,3 +230,15 @@ class GlooCommunicator(Communicator):
             if candidates & set(value.decode().split(",")):
                 return int(key.split("/")[1])
         return None
+
+
+class GlooAsNccl(GlooCommunicator):
+    """Real Gloo declaring NCCL's two semantics that the generation must handle: its abort does
+    not fail the pending ops (``cut_fails_ops``: they are abandoned) and a backend wait does not
+    wait (``poll_wait``: ftc10d's wait polls completion). The device channel of
+    ``cpu:gloo,cuda:gloo-as-nccl``, which proves the two-channel group on CPU
+    (:mod:`ftc10d.pg.channels`); not for production (Gloo's real semantics are stricter)."""
+
+    name = "gloo-as-nccl"
+    cut_fails_ops = False
+    poll_wait = True

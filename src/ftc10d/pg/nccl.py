@@ -67,6 +67,7 @@ class NcclCommunicator(Communicator):
 
     name = "nccl"
     device = "cuda"
+    carries = frozenset({"cuda"})
     cut_fails_ops = False
     poll_wait = True
 

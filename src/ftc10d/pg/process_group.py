@@ -220,13 +220,13 @@ class ProcessGroup(dist.ProcessGroup):
         return "ftc10d"
 
     def _get_backend(self, device: Any = None) -> Any:
-        """The current configuration's Gloo backend, for torch helpers that ask
-        for capabilities (``supports_coalescing``...). Ops issued on it directly
-        bypass ftc10d's hooks, sequence numbers and failure typing."""
+        """The current configuration's backend for ``device`` (Gloo's, or a two-channel group's
+        channel for it), for torch helpers that ask for capabilities (``supports_coalescing``...).
+        Ops issued on it directly bypass ftc10d's hooks, sequence numbers and failure typing."""
         gen = self._gen
         if gen is None:
             raise NotConfiguredError("this ftc10d group has no configuration yet; call reconfigure() first")
-        return gen.backend
+        return gen.comm.channel_for_device(device).backend
 
     @property
     def timeout(self) -> timedelta:
@@ -373,7 +373,7 @@ class ProcessGroup(dist.ProcessGroup):
         self._timeout_ms = int(timeout.total_seconds() * 1000)
         gen = self._gen
         if gen is not None:
-            gen.backend.set_timeout(timeout)
+            gen.comm.set_timeout(timeout)
 
     # ------------------------------------------------------------ windows
 
@@ -509,8 +509,9 @@ class ProcessGroup(dist.ProcessGroup):
         entry = obs.on_issue(self, gen, op, seq, p2p, root, inputs, outputs, op_id) if obs is not None else None
         if self._check_collectives and not p2p:
             self._check(gen, op, seq, root, opts, inputs, outputs, entry)
+        comm = gen.comm.channel_for(inputs or outputs)  # itself, or a two-channel group's channel by device
         try:
-            inner = call(gen.backend)
+            inner = call(comm.backend)
         except (TypeError, ValueError):
             if entry is not None:
                 entry.fail("rejected arguments")
@@ -523,7 +524,7 @@ class ProcessGroup(dist.ProcessGroup):
                 # Gloo validates arguments with RuntimeError: bad input, the configuration is fine.
                 raise InvalidOptionError(f"{op}: the backend rejected the arguments: {exc}") from exc
             raise gen.on_failure(op, seq, exc, abort_inline=True) from exc  # connection broken at issue time
-        work = Work(gen, op, seq, inner, result, entry)
+        work = Work(gen, op, seq, inner, result, entry, comm)
         gen.track(inner, entry, work)
         if self._post_hooks.fns:
             self._post_hooks.fire(make_post_hook_args(hook_name, async_op, work, op_id))

@@ -34,6 +34,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from ftc10d.pg.channels import default_backend
 from ftc10d.pg.process_group import DEFAULT_TIMEOUT, ProcessGroup
 from ftc10d.types import ErrorType, InvalidOptionError, NotConfiguredError, ParentReconfiguredError
 
@@ -62,7 +63,8 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroup:
     else:  # the default group itself (dist.init_process_group("ftc10d")), or a non-ftc10d parent
         parent, store = None, opts.store
     # a sub-group carries its parent's tensors: the same adapter (ftc10d.pg.backend)
-    backend = parent._backend_name if parent is not None else "gloo"
+    # (the default group: cpu:gloo,cuda:nccl where CUDA and NCCL run, as torch picks; FTC10D_BACKEND overrides)
+    backend = parent._backend_name if parent is not None else default_backend()
     pg = ProcessGroup(store, int(opts.group_rank), int(opts.group_size), timeout=timeout, backend=backend,
                       enable_reconfigure=enable_reconfigure and parent is None, _torch_files_it=True)
     if parent is not None:

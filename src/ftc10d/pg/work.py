@@ -31,6 +31,7 @@ from ftc10d.pg.observer import error_kind
 from ftc10d.types import CollectiveError
 
 if TYPE_CHECKING:
+    from ftc10d.pg.backend import Communicator
     from ftc10d.pg.generation import Generation
     from ftc10d.pg.observer import OpRecord
     from ftc10d.pg.profiling import OpSpan
@@ -63,7 +64,8 @@ class Work(dist.Work):
     _span: Optional["OpSpan"] = None
 
     def __init__(
-        self, gen: "Generation", op: str, seq: int, inner: Any, result: Any, entry: Optional["OpRecord"] = None
+        self, gen: "Generation", op: str, seq: int, inner: Any, result: Any, entry: Optional["OpRecord"] = None,
+        comm: Optional["Communicator"] = None,
     ) -> None:
         super().__init__()
         self._entry = entry
@@ -85,7 +87,8 @@ class Work(dist.Work):
         #: Called once that backend wait returned (a reduce-scatter's future, see get_future).
         self._p2p_done: Optional[Any] = None
         self._wake: Optional[threading.Event] = None
-        comm = gen.comm
+        #: The communicator the op runs on (a two-channel group's channel, ftc10d.pg.channels).
+        self.comm = comm = gen.comm if comm is None else comm
         #: The adapter's capabilities for this op (``Communicator.helper_wait_ops``, ``wait_completes_ops``).
         self.helper_waited = op in comm.helper_wait_ops
         self.wait_completes = op in comm.wait_completes_ops
@@ -135,7 +138,7 @@ class Work(dist.Work):
         try:
             if untimed and self.helper_waited:
                 self._wait_p2p()  # the one backend wait: again after completion, it returns at once
-            elif self._gen.comm.poll_wait:
+            elif self.comm.poll_wait:
                 self._poll(None if untimed else timeout)
             elif untimed:
                 # In slices, so that an abort that abandons the op releases us within one.

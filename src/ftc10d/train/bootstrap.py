@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence, Union
 from ftc10d.membership import Member, MembershipStore, ReconnectingTCPStore, TCPMembershipStore
 from ftc10d.membership.records import TOKEN_ENV
 from ftc10d.pg import ProcessGroup
+from ftc10d.pg.channels import default_backend
 from ftc10d.types import EXIT_STOP_JOB, InvalidOptionError, ReplicaDivergenceError, StateLostError
 
 logger = logging.getLogger("ftc10d")
@@ -132,6 +133,7 @@ def init_from_env(
     timeout: timedelta = timedelta(seconds=30),
     admission_timeout: float = 300.0,
     token: Optional[str] = None,
+    backend: Optional[str] = None,
 ) -> tuple[ProcessGroup, Member]:
     """Create this worker's group, join the membership and wait to be admitted.
 
@@ -140,6 +142,8 @@ def init_from_env(
     when the launcher set ``$FTC10D_MEMBERSHIP_ENDPOINTS``.
     ``RANK``/``WORLD_SIZE`` only shape the *first* configuration (it waits for
     ``WORLD_SIZE`` members); ranks in later ones follow membership order.
+    ``backend``: the group's channels (:mod:`ftc10d.pg.channels`); None: ``$FTC10D_BACKEND``,
+    else ``cpu:gloo,cuda:nccl`` where CUDA and NCCL run, else ``gloo`` (as torch picks).
     """
     env = WorkerEnv.from_environ()
     hb = heartbeat_timeout if heartbeat_timeout is not None else env.heartbeat_timeout
@@ -147,7 +151,8 @@ def init_from_env(
     # The group holds the Python store itself: wrapped in a C++ PrefixStore only, the Python
     # object would be collected and torch's trampoline would fail every later call with
     # "Not implemented". The group's keys live under "ftc10d/cfg|init/", apart from membership's.
-    pg = ProcessGroup(base, env.rank, env.world_size, timeout=timeout, enable_reconfigure=True)
+    pg = ProcessGroup(base, env.rank, env.world_size, timeout=timeout, enable_reconfigure=True,
+                      backend=backend if backend is not None else default_backend())
     handle = pg.get_reconfigure_handle()
     if env.launch_id:
         base.set(handle_key(env.launch_id, os.getpid()), handle)
