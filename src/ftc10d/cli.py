@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
@@ -341,6 +342,10 @@ def launch(args: argparse.Namespace) -> int:
     arg("--keep", action="store_true", help="keep the event files and logs of survived trials too"),
     arg("--weight", action="append", default=[], metavar="KIND=N",
         help="draw fault KIND N times as often as the others (repeatable; N=0: never), e.g. --weight die_vote=3"),
+    arg("--backend", default=None, metavar="SPEC",
+        help="the workers' group adapter (FTC10D_BACKEND), e.g. cpu:gloo,cuda:gloo-as-nccl: the two-channel group "
+             "on CPU, its device channel Gloo with NCCL's semantics (default: as the workers pick, gloo here; "
+             "give it again with --replay)"),
 )
 def chaos(args: argparse.Namespace) -> int:
     """Each trial launches the job through the launcher (warm spare included), injects a
@@ -387,6 +392,17 @@ def chaos(args: argparse.Namespace) -> int:
             args.parser.error("--membership etcd runs its etcd cluster on loopback: use it with --hosts 1")
         if ETCD is None:
             args.parser.error(f"--membership etcd: {SKIP_REASON}")
+    if args.backend is not None:
+        from ftc10d.pg.backend import adapter
+        from ftc10d.types import InvalidOptionError
+
+        try:
+            why = adapter(args.backend).unavailable()
+        except InvalidOptionError as exc:
+            why = str(exc)
+        if why:
+            args.parser.error(f"--backend {args.backend}: {why}")
+        os.environ["FTC10D_BACKEND"] = args.backend  # the launcher's workers inherit it
     from ftc10d.chaos import runner
     from ftc10d.chaos.schedule import KINDS, ScheduleError
 

@@ -40,10 +40,13 @@ def hsdp_worker(rank: int, world: int, port: int, coordinator: str, opts: dict[s
     replicas, shard_size = int(opts.get("replicas", 2)), int(opts.get("shard_size", 2))
     os.environ.update({"FTC10D_COORDINATOR": coordinator, "RANK": str(slot), "WORLD_SIZE": str(replicas * shard_size),
                        "FTC10D_HEARTBEAT_TIMEOUT": "1.0"})
+    if opts.get("backend"):
+        os.environ["FTC10D_BACKEND"] = opts["backend"]
     _log_to(rank + 10 * int("slot" in opts))
     control = client_store(port)
     pg, member = init_from_env()
-    groups = HSDPGroups(pg.store, HSDPLayout(replicas=replicas, shard_size=shard_size), slot, timedelta(seconds=60))
+    groups = HSDPGroups(pg.store, HSDPLayout(replicas=replicas, shard_size=shard_size), slot, timedelta(seconds=60),
+                        backend=pg.adapter_name)
     manager = Manager(pg, member, hsdp=groups, check_every=5, sync_timeout=float(opts.get("sync_timeout", 300)))
     events: list[tuple[str, dict]] = []
     manager.add_listener(lambda kind, info: events.append((kind, dict(info))))
@@ -78,7 +81,9 @@ def hsdp_worker(rank: int, world: int, port: int, coordinator: str, opts: dict[s
     while int(control.add("finished", 0)) < replicas * shard_size:
         time.sleep(0.02)
     manager.close()
-    return {"pid": os.getpid(), "slot": slot, "steps": manager.step,
+    from ftc10d.pg.channels import ISSUED
+
+    return {"pid": os.getpid(), "slot": slot, "steps": manager.step, "channels": dict(ISSUED),
             "events": [(k, {x: v for x, v in i.items() if isinstance(v, (int, str, list))}) for k, i in events]}
 
 

@@ -18,6 +18,8 @@ def train_worker(rank: int, world: int, port: int, coordinator: str, opts: dict[
         "FTC10D_COORDINATOR": coordinator, "RANK": str(rank % world), "WORLD_SIZE": str(world),
         "FTC10D_HEARTBEAT_TIMEOUT": str(opts.get("hb", 1.0)),
     })
+    if opts.get("backend"):
+        os.environ["FTC10D_BACKEND"] = opts["backend"]
     _log_to(rank)
     control = client_store(port)
     pg, member = init_from_env()
@@ -28,4 +30,7 @@ def train_worker(rank: int, world: int, port: int, coordinator: str, opts: dict[
     while int(control.add("finished", 0)) < opts.get("finishers", world):
         time.sleep(0.02)
     manager.close()
+    from ftc10d.pg.channels import ISSUED
+
+    out["channels"] = dict(ISSUED)
     return out

@@ -246,7 +246,7 @@ def _train(opts: dict[str, Any], slot: int, restart: int, log: EventLog) -> int:
         from ftc10d.train.fsdp import HSDPGroups
         from ftc10d.train.mesh import HSDPLayout
 
-        groups = HSDPGroups(pg.store, HSDPLayout(*mesh_opt), slot)
+        groups = HSDPGroups(pg.store, HSDPLayout(*mesh_opt), slot, backend=pg.adapter_name)
     manager = Manager(pg, member, sync_timeout=float(opts.get("sync_timeout", 120.0)), hsdp=groups)
     joined["manager"] = manager
     shard: dict[str, Any] = {} if groups is None else {"shard": groups.shard_index}

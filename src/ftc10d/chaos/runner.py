@@ -100,7 +100,8 @@ def run(*, trials: int, seed: int, out: str, replay: Optional[str] = None, hosts
     shape = f"{first.mesh[0]}x{first.mesh[1]} FT-HSDP mesh, " if first.mesh else ""
     print(f"ftc10d chaos: {len(specs)} trial(s), {shape}{first.world_size} workers + {first.spares} warm spare(s), "
           f"{first.steps} steps, heartbeat timeout {first.heartbeat_timeout:g} s, {first.hosts} host(s), "
-          f"membership {'3-member etcd' if first.membership == 'etcd' else 'coordinator store'}, out {out_dir}",
+          f"membership {'3-member etcd' if first.membership == 'etcd' else 'coordinator store'}, "
+          f"groups {os.environ.get('FTC10D_BACKEND') or 'gloo'}, out {out_dir}",
           flush=True)
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         return _run_specs(specs, out_dir, keep, command)

@@ -154,7 +154,7 @@ def _hsdp(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> i
     finished, joining = _ready(args, log, restart)
     pg, member = init_from_env()
     replicas, shard_size = args.mesh
-    groups = HSDPGroups(pg.store, HSDPLayout(replicas, shard_size), slot)
+    groups = HSDPGroups(pg.store, HSDPLayout(replicas, shard_size), slot, backend=pg.adapter_name)
     manager = Manager(pg, member, hsdp=groups)
     log.emit("admitted", rank=manager.rank, world_size=manager.world_size, epoch=manager.epoch,
              replica=groups.replica, shard=groups.shard_index)
@@ -336,7 +336,7 @@ def _ab_hsdp(args: argparse.Namespace, log: EventLog, slot: int) -> int:
     teacher = make_teacher()
     pg, member = init_from_env()
     replicas, shard_size = args.mesh
-    groups = HSDPGroups(pg.store, HSDPLayout(replicas, shard_size), slot)
+    groups = HSDPGroups(pg.store, HSDPLayout(replicas, shard_size), slot, backend=pg.adapter_name)
     manager = Manager(pg, member, hsdp=groups, check_every=0)
     mesh = manager.device_mesh()
     rank, world = manager.rank, manager.world_size

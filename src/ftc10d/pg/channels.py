@@ -28,6 +28,7 @@ path really runs on the second communicator and the control path on the first
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from datetime import timedelta
@@ -45,6 +46,9 @@ CONTROL_DEVICE = "cpu"
 CPU_AND_CUDA = "cpu:gloo,cuda:nccl"
 
 _scope = threading.local()
+#: Ops issued on two-channel groups in this process, by channel ("control", "data"): what the
+#: tests check to see that each path really took its channel.
+ISSUED: collections.Counter = collections.Counter()
 
 
 @contextlib.contextmanager
@@ -134,9 +138,12 @@ class Channels(Communicator):
     def channel_for(self, tensors: Sequence[Any]) -> Communicator:
         device = _first_device(tensors)
         if device is None:
+            ISSUED["control"] += 1
             return self.control
         if not in_control() and device in self.data.carries:
+            ISSUED["data"] += 1
             return self.data
+        ISSUED["control" if device == CONTROL_DEVICE else "data"] += 1
         comm = self.channels.get(device)
         if comm is None or device not in comm.carries:
             raise InvalidOptionError(f"no channel of this group ({self.name!r}) carries {device} tensors: "
@@ -206,3 +213,20 @@ def default_backend() -> str:
     from ftc10d.pg.nccl import unavailable_reason
 
     return CPU_AND_CUDA if not unavailable_reason() else "gloo"
+
+
+def control_backend(spec: str) -> str:
+    """The adapter of ``spec``'s CPU channel (``spec`` itself for a one-adapter group): for a
+    group that carries only control messages."""
+    pairs = parse(spec)
+    return spec if pairs is None else dict(pairs)[CONTROL_DEVICE]
+
+
+def mesh_device(spec: str) -> str:
+    """The device type of a ``DeviceMesh`` over a group of ``spec``: its data channel's device
+    where this process has it (``cuda`` for ``cpu:gloo,cuda:nccl`` with CUDA), else ``cpu``."""
+    pairs = parse(spec)
+    device = pairs[-1][0] if pairs is not None else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        return "cpu"
+    return device if device in ("cpu", "cuda") else "cpu"

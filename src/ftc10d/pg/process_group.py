@@ -213,6 +213,12 @@ class ProcessGroup(dist.ProcessGroup):
     def setGroupDesc(self, group_desc: str) -> None:
         self._group_desc = group_desc
 
+    @property
+    def adapter_name(self) -> str:
+        """What carries this group's tensors: ``"gloo"``, or one adapter per device type
+        (``"cpu:gloo,cuda:nccl"``, :mod:`ftc10d.pg.channels`). Sub-groups inherit it."""
+        return self._backend_name
+
     def _get_backend_name(self) -> str:
         return "ftc10d"
 

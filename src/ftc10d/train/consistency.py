@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ftc10d.pg.channels import control
+
 #: A fingerprint travels in the vote as this many 16-bit words.
 FP_WORDS = 3
 _MASK = (1 << (16 * FP_WORDS)) - 1
@@ -70,7 +72,8 @@ def exchange_identities(pg: Any, fingerprint: int, step: int, epoch: int) -> lis
     so that the error shows fingerprints)."""
     rows = torch.zeros(pg.size(), 3, dtype=torch.int64)
     rows[pg.rank()] = torch.tensor([fingerprint, step, epoch])
-    pg.allreduce([rows]).wait()
+    with control():  # a two-channel group: on its CPU channel (ftc10d.pg.channels)
+        pg.allreduce([rows]).wait()
     ids = [tuple(int(v) for v in row) for row in rows.tolist()]
     if len({i[1:] for i in ids}) == 1:
         return [i[0] for i in ids]

@@ -77,18 +77,24 @@ class HSDPGroups:
     """
 
     def __init__(self, store: dist.Store, layout: HSDPLayout, slot: int,
-                 timeout: timedelta = timedelta(minutes=5)) -> None:
+                 timeout: timedelta = timedelta(minutes=5), backend: Optional[str] = None) -> None:
+        from ftc10d.pg.channels import control_backend, default_backend, mesh_device
+
+        backend = backend if backend is not None else default_backend()
+        #: The device type of the shard group's DeviceMesh: the data channel's, where it runs.
+        self.device_type = mesh_device(backend)
         self.layout = layout
         self.slot = slot
         self.replica, self.shard_index = layout.coords(slot)
         self._store = store
         self.shard = ProcessGroup(dist.PrefixStore(f"{PREFIX}/shard/{self.replica}", store), 0, layout.shard_size,
-                                  timeout=timeout, enable_reconfigure=True)
+                                  timeout=timeout, enable_reconfigure=True, backend=backend)
         self.replicate = ProcessGroup(dist.PrefixStore(f"{PREFIX}/replicate/{self.shard_index}", store), 0,
-                                      layout.replicas, timeout=timeout, enable_reconfigure=True)
-        #: Every rank that trains, by (replica, shard index): the Manager's vote runs on it.
+                                      layout.replicas, timeout=timeout, enable_reconfigure=True, backend=backend)
+        #: Every rank that trains, by (replica, shard index): the Manager's vote runs on it (a
+        #: control message: on the CPU channel's adapter alone).
         self.participants = ProcessGroup(dist.PrefixStore(f"{PREFIX}/participants", store), 0, layout.world_size,
-                                         timeout=timeout, enable_reconfigure=True)
+                                         timeout=timeout, enable_reconfigure=True, backend=control_backend(backend))
         self.uuid: Optional[int] = None
         #: The placement of the configuration the groups were last moved to.
         self.placement: Optional[Placement] = None
@@ -104,7 +110,7 @@ class HSDPGroups:
                                          "from a configuration in which this rank's replica is complete")
             from torch.distributed.device_mesh import DeviceMesh
 
-            mesh = DeviceMesh.from_group(self.shard, "cpu")
+            mesh = DeviceMesh.from_group(self.shard, self.device_type)
             if _coordinate(mesh) != self.shard_index:
                 # torch places this process in the mesh by its rank in the default (world) group, which
                 # follows membership order, while the shard group's "global" ranks are the stable slots:

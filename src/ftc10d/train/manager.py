@@ -81,6 +81,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ftc10d.membership import Member
+from ftc10d.pg.channels import control, parse
 from ftc10d.train.consistency import (
     FP_WORDS,
     exchange_identities,
@@ -146,6 +147,10 @@ class Manager:
             # FSDP2's forward and backward must run to their end (an exception half-way leaves its
             # state machine half-way): the shard group's failures are reported here, not raised.
             hsdp.shard.swallow_errors(self._hook_failed)
+        elif vote == "fused" and parse(pg.adapter_name) is not None:
+            # A two-channel group: the gradients are on the device channel, the vote belongs on the
+            # CPU one (a fused vote would copy the last bucket to the host, and ride on NCCL).
+            vote = "separate"
         self.vote = vote
         self.check_every = check_every
         self.pg = pg
@@ -512,7 +517,8 @@ class Manager:
             vote[2 + group.rank()] = join_words(check)
         self.in_vote = True
         try:
-            group.allreduce([vote], self._vote_opts).wait()
+            with control():  # a two-channel group: the vote runs on its CPU channel (ftc10d.pg.channels)
+                group.allreduce([vote], self._vote_opts).wait()
             if self.after_vote is not None:
                 self.after_vote()
         except CollectiveError as exc:

@@ -34,12 +34,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ftc10d.pg.channels import control
 from ftc10d.pg.work import MultiWork
 from ftc10d.train.progress import JobProgress
 from ftc10d.train.state import (
     DIRECT_BYTES,
     StateFormatError,
     as_bytes,
+    device_targets,
     in_place_targets,
     layout,
     segments,
@@ -123,7 +125,8 @@ def exchange(pg: Any, step: int, synced: bool, epoch: int = 0, slot: int = -1, r
     info = torch.zeros(pg.size(), 9, dtype=torch.int64)
     info[pg.rank()] = torch.tensor([step, int(synced), epoch, slot, int(ready), *pair(job.reached), *pair(job.closed)],
                                    dtype=torch.int64)
-    pg.allreduce([info]).wait()
+    with control():  # a two-channel group: on its CPU channel (ftc10d.pg.channels)
+        pg.allreduce([info]).wait()
     rows = info.tolist()
     reached = max(((r[5], r[6]) for r in rows if r[5] >= 0), default=None)
     closed = max(((r[7], r[8]) for r in rows if r[7] >= 0), default=None)
@@ -197,8 +200,10 @@ def transfer(pg: Any, plan: Plan, get_state: Callable[[], Any],
         works = [move(header, 0), move(skel, 1)]
         sizes = [t.numel() * t.element_size() for t in lay.tensors]
         for k, (start, end, idx) in enumerate(segments(sizes, lay.offsets)):
-            if len(idx) == 1 and sizes[idx[0]] >= DIRECT_BYTES and lay.tensors[idx[0]].is_contiguous():
-                msg = as_bytes(lay.tensors[idx[0]])
+            alone = lay.tensors[idx[0]] if len(idx) == 1 else None
+            if alone is not None and (alone.device.type != "cpu" or (sizes[idx[0]] >= DIRECT_BYTES
+                                                                      and alone.is_contiguous())):
+                msg = as_bytes(alone)  # from its own memory (a device tensor: from the device, see device_targets)
             else:
                 msg = torch.zeros(end - start, dtype=torch.uint8)
                 for i in idx:
@@ -224,6 +229,14 @@ def transfer(pg: Any, plan: Plan, get_state: Callable[[], Any],
         raise StateFormatError("the state skeleton does not fit the announced buffer; is the source's ftc10d the same?")
     buffer = torch.empty(total, dtype=torch.uint8)  # untouched where tensors are received in place
     fits = in_place_targets(skeleton, local_state()) if local_state is not None and me in plan.recipients else {}
+    alone = [idx[0] for _, _, idx in segments(sizes, offsets) if len(idx) == 1]
+    # a tensor the source holds on a device is received on that device type (the same channel)
+    on_device = device_targets(skeleton, alone)
+    for i, target in on_device.items():
+        fit = fits.get(i)
+        fits[i] = fit if fit is not None and fit.device.type == target.device.type else target
+    for i in [i for i, t in fits.items() if i not in on_device and t.device.type != "cpu"]:
+        del fits[i]  # the source sends it from host memory: received there too
     into: dict[int, torch.Tensor] = {}  # the tensors that do receive in place: alone in their message
     works = []
     for k, (start, end, idx) in enumerate(segments(sizes, offsets)):

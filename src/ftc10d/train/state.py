@@ -95,8 +95,11 @@ def layout(state: Any) -> Layout:
     for t in tensors:
         offsets.append(total)
         total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    skeleton = json.dumps({"format": FORMAT, "tree": tree, "offsets": offsets, "nbytes": total},
-                          separators=(",", ":"))
+    doc: dict[str, Any] = {"format": FORMAT, "tree": tree, "offsets": offsets, "nbytes": total}
+    devices = {str(i): t.device.type for i, t in enumerate(tensors) if t.device.type != "cpu"}
+    if devices:  # where a tensor lives at the source: a receiver puts it on the same device type
+        doc["dev"] = devices
+    skeleton = json.dumps(doc, separators=(",", ":"))
     return Layout(skeleton, tensors, offsets, total)
 
 
@@ -274,6 +277,22 @@ def unpack(skeleton: str, buffer: torch.Tensor, received: Optional[dict[int, tor
         raise
     except _MALFORMED as exc:
         raise StateFormatError(f"malformed state skeleton: {type(exc).__name__}: {exc}") from None
+
+
+def device_targets(skeleton: str, indices: Any) -> dict[int, torch.Tensor]:
+    """For each of ``indices`` (tensors that travel as a message of their own) that lives on a
+    device at the source (a CUDA tensor), an empty tensor of its dtype and shape on that device
+    type here: the receiver receives it there, so that both ends issue the message on the same
+    channel of a two-channel group (device to device, :mod:`ftc10d.pg.channels`)."""
+    doc = _load_skeleton(skeleton)
+    devices = doc.get("dev") or {}
+    if not devices:
+        return {}
+    specs: dict[int, tuple[str, list[int]]] = {}
+    _tensor_specs(doc["tree"], specs)
+    table = _tensor_table(specs, len(doc["offsets"]))
+    return {i: torch.empty(table[i][1], dtype=table[i][0], device=devices[str(i)])
+            for i in indices if str(i) in devices}
 
 
 def _unpack(skeleton: str, buffer: torch.Tensor, received: Optional[dict[int, torch.Tensor]]) -> Any:

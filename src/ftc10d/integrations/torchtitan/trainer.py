@@ -167,7 +167,7 @@ class FaultTolerantTrainer(Trainer):
             logger.info("ftc10d: --debug.seed not given: 0 (every rank needs the same initial model)")
         slot = int(os.environ["RANK"])
         pg, member = init_from_env()
-        groups = HSDPGroups(pg.store, HSDPLayout(ft.replicas, world // ft.replicas), slot=slot)
+        groups = HSDPGroups(pg.store, HSDPLayout(ft.replicas, world // ft.replicas), slot=slot, backend=pg.adapter_name)
         self.ft_groups = groups
         self.ft_manager = manager = Manager(pg, member, hsdp=groups, sync_timeout=ft.sync_timeout,
                                             check_every=ft.check_every)
