@@ -31,12 +31,13 @@ STAMP215 := $(VENV215)/.ftc10d-installed
 STAMPTITAN := $(VENVTITAN)/.ftc10d-installed
 
 .DEFAULT_GOAL := help
-.PHONY: gpu-check test-torch-suite test-titan test-titan214 test-titan215 demo-titan bench-titan venvtitan help etcd venv venv214 venv211 venv212 venv215 test test-torch214 test-torch211 test-torch212 test-torch215 demo demo-hsdp bench clean distclean
+.PHONY: gpu-check test-channels test-torch-suite test-titan test-titan214 test-titan215 demo-titan bench-titan venvtitan help etcd venv venv214 venv211 venv212 venv215 test test-torch214 test-torch211 test-torch212 test-torch215 demo demo-hsdp bench clean distclean
 
 help:  ## list the targets
 	@echo "make demo            train on 4 workers while one is killed and one frozen; watch it recover in place"
 	@echo "make demo-hsdp       the same as FT-HSDP (2 replicas x 2 FSDP2 shards): replicas and shards recover in place"
 	@echo "make test            run the test suite (torch $(TORCH_VERSION) CPU, in $(VENV))"
+	@echo "make test-channels   the Manager's tests with every group on two channels (CPU control, device data)"
 	@echo "make test-torch214   run the test suite on torch $(TORCH214_VERSION) (in $(VENV214))"
 	@echo "make test-torch211   ... on torch $(TORCH211_VERSION) (in $(VENV211); a CUDA build from the registry, GBs)"
 	@echo "make test-torch212   ... on torch $(TORCH212_VERSION) (in $(VENV212); a CUDA build from the registry, GBs)"
@@ -147,6 +148,13 @@ test-titan214: $(STAMP214)
 test-titan215: $(STAMP215)
 	PIP_CONSTRAINT=$(VENV215)/torch-pin.txt $(VENV215)/bin/python -m pip install $(PIP_FLAGS) -e '.[test,torchtitan]'
 	$(VENV215)/bin/python -m pytest -q $(PYTEST_ARGS) tests/integrations
+
+# The Manager's tests (DDP, FT-HSDP, recovery, second history...) with every job's groups on two
+# channels (ftc10d.pg.channels): the CPU one for the control path, the device one (Gloo with NCCL's
+# semantics, as NCCL cannot run here) for the data.
+CHANNELS_SPEC ?= cpu:gloo,cuda:gloo-as-nccl
+test-channels: $(STAMP) etcd
+	FTC10D_BACKEND=$(CHANNELS_SPEC) $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests/train tests/pg/test_channels.py
 
 demo-titan: $(STAMPTITAN)
 	$(VENVTITAN)/bin/python -m ftc10d.integrations.torchtitan.demo

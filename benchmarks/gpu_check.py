@@ -12,10 +12,12 @@ bandwidths are the transport's; the ratios compare like with like). Prints one t
   alternating blocks, median of the per-round ratios (16 and 64 MiB);
 - reconfigure + first all-reduce vs a fresh raw ``ProcessGroupNCCL`` + its first all-reduce.
 
-Not built yet (issue 17, part 2): the Manager and DDP over NCCL (their control traffic needs a
-CPU channel beside the NCCL generation), so "kill -> survivors' next commit" is not measured.
+- training on a two-channel group (issue 27, ``benchmarks/_gpu_training.py``): the demo's DDP job
+  (3 ranks) and its 2x2 FT-HSDP job under ``ftc10d launch`` over ``cpu:gloo,cuda:nccl`` with the
+  model on the GPU, a rank SIGKILLed and one frozen past the heartbeat: completed, replicas
+  identical, longest pause, first commit after each fault.
 
-    PYTHONPATH=src:. python benchmarks/gpu_check.py [--rounds 7] [--json out.json]
+    PYTHONPATH=src:. python benchmarks/gpu_check.py [--rounds 7] [--json out.json] [--no-training]
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--json", default=None)
+    p.add_argument("--no-training", action="store_true", help="skip the two training jobs (issue 27)")
     args = p.parse_args()
     from ftc10d.pg.nccl import unavailable_reason
 
@@ -138,6 +141,12 @@ def main() -> int:
     rows.append(["reconfigure + first all-reduce / fresh raw communicator + first all-reduce",
                  f"{bench['reconfigure_s'] / bench['fresh_s']:.2f}x",
                  f"{bench['reconfigure_s'] * 1e3:.0f} vs {bench['fresh_s'] * 1e3:.0f} ms"])
+    if not args.no_training:
+        from benchmarks._gpu_training import run_jobs
+
+        training, bad = run_jobs("cpu:gloo,cuda:nccl", "cuda")
+        rows += training
+        failed |= bad
     print(f"ftc10d gpu-check on {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
           f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, {WORLD} ranks on one GPU")
     print(c.table(["check", "result", "detail"], rows))

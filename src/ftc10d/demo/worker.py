@@ -117,12 +117,25 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(EXIT_STOP_JOB)
 
 
+def _device(slot: int) -> torch.device:
+    """Where the model trains: ``$FTC10D_DEMO_DEVICE`` (``cuda`` in ``make gpu-check``; default
+    ``cpu``). On CUDA each worker takes the GPU ``LOCAL_RANK`` modulo the GPUs there are (ranks
+    sharing one GPU need a per-rank ``NCCL_HOSTID``, which ``ftc10d launch`` sets)."""
+    kind = os.environ.get("FTC10D_DEMO_DEVICE", "cpu")
+    if kind != "cuda":
+        return torch.device(kind)
+    index = int(os.environ.get("LOCAL_RANK", slot)) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> int:
     # Everything that does not need the group comes before joining: once admitted, the others
     # wait for this process at the next rendezvous.
     warm_up()
     teacher = make_teacher()
-    model = make_student(seed=slot + 1000 * restart)  # different on purpose: recovery makes replicas equal
+    device = _device(slot)
+    model = make_student(seed=slot + 1000 * restart).to(device)  # different on purpose: recovery makes them equal
     optim = torch.optim.Adam(model.parameters(), lr=args.lr)
     finished, joining = _ready(args, log, restart)
     pg, member = init_from_env()
@@ -135,7 +148,7 @@ def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) ->
 
     def step() -> torch.Tensor:
         x, y = batch_for(teacher, manager.step, manager.rank, manager.world_size)
-        loss = loss_fn(ddp(x), y)
+        loss = loss_fn(ddp(x.to(device)), y.to(device))
         loss.backward()
         return loss
 
@@ -166,7 +179,8 @@ def _hsdp(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> i
         log.emit("left", step=manager.step, reason=str(exc))
         return _exit(log, manager)
     # FSDP2 (like torch's HSDP) needs the same initial model on every rank: one seed for all.
-    model = make_student(seed=0)
+    device = _device(slot)
+    model = make_student(seed=0).to(device)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -178,7 +192,8 @@ def _hsdp(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> i
     def step() -> torch.Tensor:
         # the replicas that train split the step's global batch; so do the ranks of each
         x, y = batch_for(teacher, manager.step, groups.participants.rank(), groups.participants.size())
-        loss = torch.zeros(())
+        x, y = x.to(device), y.to(device)
+        loss = torch.zeros((), device=device)
         with manager.collectives():  # a failed collective fails the step, not the loop
             loss = loss_fn(model(x), y)
             loss.backward()

@@ -321,13 +321,14 @@ def tensors_of(state: Any) -> list[torch.Tensor]:
     return out
 
 
-_WEIGHTS: dict[int, torch.Tensor] = {}
+_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-def _weights(n: int) -> torch.Tensor:
-    w = _WEIGHTS.get(n)
+def _weights(n: int, device: torch.device) -> torch.Tensor:
+    """The odd weights of ``n`` words, on ``device`` (a CUDA state is fingerprinted where it is)."""
+    w = _WEIGHTS.get((n, device))
     if w is None:
-        w = _WEIGHTS[n] = torch.arange(1, 2 * n, 2, dtype=torch.int64).to(torch.int32)
+        w = _WEIGHTS[(n, device)] = torch.arange(1, 2 * n, 2, dtype=torch.int64, device=device).to(torch.int32)
     return w
 
 
@@ -348,9 +349,9 @@ def fingerprint(state: Any) -> str:
             acc.append(0)
             continue
         head = raw[: n - n % 4].view(torch.int32)
-        value = int((head * _weights(head.numel())).sum(dtype=torch.int64)) if head.numel() else 0
+        value = int((head * _weights(head.numel(), head.device)).sum(dtype=torch.int64)) if head.numel() else 0
         if n % 4:
-            tail = raw[n - n % 4:].to(torch.int64)
+            tail = raw[n - n % 4:].to("cpu", torch.int64)
             value = value * 1_000_003 + int((tail * torch.arange(1, 2 * tail.numel(), 2)).sum())
         acc.append(value & 0xFFFFFFFFFFFF)
     return hashlib.blake2b(repr(acc).encode(), digest_size=8).hexdigest()
