@@ -24,6 +24,9 @@ JOBS = (
     ("FT-HSDP 2x2", ["--mesh", "2x2"]),
 )
 FAULTS = "kill:1@40,freeze:2@100:2.5"
+#: The longest pause between two commits a job may have and pass: generous (a safety bound, the
+#: figure itself is reported); a frozen FT-HSDP rank stops its replica until it is fenced.
+MAX_PAUSE_S = 5.0
 
 
 def run_jobs(backend: str, device: str, steps: int = 160, timeout: float = 150.0) -> tuple[list[list[Any]], bool]:
@@ -35,7 +38,7 @@ def run_jobs(backend: str, device: str, steps: int = 160, timeout: float = 150.0
     for name, extra in JOBS:
         out = os.path.join(root, name.split(",")[0].replace(" ", "-"))
         cmd = [sys.executable, "-m", "ftc10d", "demo", "--out", out, "--steps", str(steps), "--faults", FAULTS,
-               "--heartbeat-timeout", "1", *extra]
+               "--heartbeat-timeout", "1", "--max-pause", str(MAX_PAUSE_S), *extra]
         t0 = time.monotonic()
         try:
             proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
