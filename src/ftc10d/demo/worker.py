@@ -132,9 +132,9 @@ def _device(slot: int) -> torch.device:
 def _ftc10d(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> int:
     # Everything that does not need the group comes before joining: once admitted, the others
     # wait for this process at the next rendezvous.
+    device = _device(slot)  # before the group: its NCCL channel connects on the current device
     warm_up()
     teacher = make_teacher()
-    device = _device(slot)
     model = make_student(seed=slot + 1000 * restart).to(device)  # different on purpose: recovery makes them equal
     optim = torch.optim.Adam(model.parameters(), lr=args.lr)
     finished, joining = _ready(args, log, restart)
@@ -162,6 +162,7 @@ def _hsdp(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> i
     from ftc10d.train.fsdp import HSDPGroups
     from ftc10d.train.mesh import HSDPLayout
 
+    device = _device(slot)  # before the group: its NCCL channel connects on the current device
     warm_up()
     teacher = make_teacher()
     finished, joining = _ready(args, log, restart)
@@ -179,7 +180,6 @@ def _hsdp(args: argparse.Namespace, log: EventLog, slot: int, restart: int) -> i
         log.emit("left", step=manager.step, reason=str(exc))
         return _exit(log, manager)
     # FSDP2 (like torch's HSDP) needs the same initial model on every rank: one seed for all.
-    device = _device(slot)
     model = make_student(seed=0).to(device)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):

@@ -126,6 +126,21 @@ class WorkerEnv:
                    env.get(MEMBERSHIP_PREFIX_ENV) or None)
 
 
+def _check_cuda_device(backend: str) -> None:
+    """An NCCL channel connects on the current CUDA device: a worker that did not pick its own
+    (``torch.cuda.set_device(local_rank)``, as with torch's NCCL groups) would put every rank
+    of the node on GPU 0. Say so before it happens."""
+    if "nccl" not in backend:
+        return
+    import torch
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available() and torch.cuda.device_count() > 1 and local and torch.cuda.current_device() == 0:
+        logger.warning("ftc10d: LOCAL_RANK=%d but the current CUDA device is 0: call torch.cuda.set_device(%d) "
+                       "before init_from_env() (its NCCL channel connects on the current device)",
+                       local, local % torch.cuda.device_count())
+
+
 def init_from_env(
     *,
     heartbeat_timeout: Optional[float] = None,
@@ -151,8 +166,9 @@ def init_from_env(
     # The group holds the Python store itself: wrapped in a C++ PrefixStore only, the Python
     # object would be collected and torch's trampoline would fail every later call with
     # "Not implemented". The group's keys live under "ftc10d/cfg|init/", apart from membership's.
-    pg = ProcessGroup(base, env.rank, env.world_size, timeout=timeout, enable_reconfigure=True,
-                      backend=backend if backend is not None else default_backend())
+    backend = backend if backend is not None else default_backend()
+    _check_cuda_device(backend)
+    pg = ProcessGroup(base, env.rank, env.world_size, timeout=timeout, enable_reconfigure=True, backend=backend)
     handle = pg.get_reconfigure_handle()
     if env.launch_id:
         base.set(handle_key(env.launch_id, os.getpid()), handle)
