@@ -149,12 +149,13 @@ test-titan215: $(STAMP215)
 	PIP_CONSTRAINT=$(VENV215)/torch-pin.txt $(VENV215)/bin/python -m pip install $(PIP_FLAGS) -e '.[test,torchtitan]'
 	$(VENV215)/bin/python -m pytest -q $(PYTEST_ARGS) tests/integrations
 
-# The Manager's tests (DDP, FT-HSDP, recovery, second history...) with every job's groups on two
+# The Manager's and the chaos runner's tests (DDP, FT-HSDP, recovery, second history, node loss...) with every job's groups on two
 # channels (ftc10d.pg.channels): the CPU one for the control path, the device one (Gloo with NCCL's
 # semantics, as NCCL cannot run here) for the data.
 CHANNELS_SPEC ?= cpu:gloo,cuda:gloo-as-nccl
 test-channels: $(STAMP) etcd
-	FTC10D_BACKEND=$(CHANNELS_SPEC) $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests/train tests/pg/test_channels.py
+	FTC10D_BACKEND=$(CHANNELS_SPEC) $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests/train tests/pg/test_channels.py \
+	  tests/chaos/test_chaos.py
 
 demo-titan: $(STAMPTITAN)
 	$(VENVTITAN)/bin/python -m ftc10d.integrations.torchtitan.demo
