@@ -35,7 +35,6 @@ Kept free of ``tests/`` so that ``ftc10d chaos`` runs from an installed package.
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import logging
 import os
@@ -43,6 +42,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -66,6 +66,45 @@ LR = 1e-2
 STRANDED_S = 10.0
 #: A step (from zero_grad to the next one) longer than this dumps every thread's stack to the log.
 STUCK_DUMP_S = 5.0
+
+
+class _StuckDump:
+    """Write every thread's Python stack to stderr once a step has run ``seconds`` (re-armed each
+    step). Not ``faulthandler.dump_traceback_later``: its watchdog reads the other threads'
+    frames without the GIL while they run, and a worker resumed from a SIGSTOP died of it
+    (SIGSEGV, in a CI run of the stale-member test). This one reads them under the GIL
+    (``sys._current_frames``): a thread that holds the GIL in C++ delays the dump, never
+    crashes it."""
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+        self._deadline: Optional[float] = None
+        self._cond = threading.Condition()
+        threading.Thread(target=self._run, name="ftc10d-chaos-stuck-dump", daemon=True).start()
+
+    def arm(self) -> None:
+        with self._cond:
+            self._deadline = time.monotonic() + self._seconds
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._deadline = None
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._deadline is None or time.monotonic() < self._deadline:
+                    self._cond.wait(None if self._deadline is None else self._deadline - time.monotonic())
+                self._deadline = None  # once per step
+            names = {t.ident: t.name for t in threading.enumerate()}
+            lines = [f"Timeout ({self._seconds:g} s): a step is still running; every thread's stack:\n"]
+            for ident, frame in sys._current_frames().items():
+                lines.append(f"Thread {ident:#x} ({names.get(ident, '?')}):\n")
+                lines.extend(traceback.format_stack(frame))
+            sys.stderr.write("".join(lines))
+            sys.stderr.flush()
 
 
 def batch_for(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,10 +330,11 @@ def _train(opts: dict[str, Any], slot: int, restart: int, log: EventLog) -> int:
     opt = ManagedOptimizer(manager, optim)
     steps = int(opts["steps"])
     interval = float(opts.get("interval", 0.0))
+    stuck = _StuckDump(STUCK_DUMP_S)
     while manager.step < steps:
         # A step that takes longer than any pause the trial allows dumps every thread's stack into
         # the worker's log (diagnosis of a long pause; a recovery's waits dump too: read them so).
-        faulthandler.dump_traceback_later(STUCK_DUMP_S, exit=False)
+        stuck.arm()
         try:
             opt.zero_grad()
         except JobFinished as exc:  # FT-HSDP: waited for its replica while the others finished
@@ -316,7 +356,7 @@ def _train(opts: dict[str, Any], slot: int, restart: int, log: EventLog) -> int:
             log.emit("aborted", step=manager.step, member=manager.member.id)
         if interval:
             time.sleep(interval)
-    faulthandler.cancel_dump_traceback_later()
+    stuck.disarm()
     done.set()
     guards.check("exit")
     log.emit("final", step=manager.step, hash=manager.state_hash(), member=manager.member.id, **shard)
