@@ -45,7 +45,11 @@ CONTROL_DEVICE = "cpu"
 #: torch's default for a machine with CUDA; ``init_process_group("ftc10d")`` picks it there.
 CPU_AND_CUDA = "cpu:gloo,cuda:nccl"
 
-_scope = threading.local()
+class _Scope(threading.local):
+    control = False  # a class default: reading it never takes getattr's missing-attribute path
+
+
+_scope = _Scope()
 #: Ops issued on two-channel groups in this process, by channel ("control", "data"): what the
 #: tests check to see that each path really took its channel.
 ISSUED: collections.Counter = collections.Counter()
@@ -55,7 +59,7 @@ ISSUED: collections.Counter = collections.Counter()
 def control() -> Iterator[None]:
     """Ops issued by this thread inside the block run on the CPU channel of a two-channel
     group (on a one-channel group: nothing changes)."""
-    before = getattr(_scope, "control", False)
+    before = _scope.control
     _scope.control = True
     try:
         yield
@@ -64,7 +68,7 @@ def control() -> Iterator[None]:
 
 
 def in_control() -> bool:
-    return getattr(_scope, "control", False)
+    return _scope.control
 
 
 def parse(spec: str) -> Optional[tuple[tuple[str, str], ...]]:
@@ -90,7 +94,8 @@ def parse(spec: str) -> Optional[tuple[tuple[str, str], ...]]:
 def _first_device(tensors: Sequence[Any]) -> Optional[str]:
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            return t.device.type
+            # is_cpu / is_cuda first: ~70 ns, where building t.device takes ~300 ns (per op)
+            return "cpu" if t.is_cpu else "cuda" if t.is_cuda else t.device.type
     return None
 
 
@@ -140,7 +145,7 @@ class Channels(Communicator):
         if device is None:
             ISSUED["control"] += 1
             return self.control
-        if not in_control() and device in self.data.carries:
+        if not _scope.control and device in self.data.carries:
             ISSUED["data"] += 1
             return self.data
         ISSUED["control" if device == CONTROL_DEVICE else "data"] += 1
