@@ -150,6 +150,8 @@ class Manager:
         elif vote == "fused" and parse(pg.adapter_name) is not None:
             # A two-channel group: the gradients are on the device channel, the vote belongs on the
             # CPU one (a fused vote would copy the last bucket to the host, and ride on NCCL).
+            logger.info("manager: vote='separate' on the two-channel group %s (the vote runs on its CPU channel)",
+                        pg.adapter_name)
             vote = "separate"
         self.vote = vote
         self.check_every = check_every
