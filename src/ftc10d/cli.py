@@ -253,6 +253,9 @@ def coordinator(args: argparse.Namespace) -> int:
     arg("--min-members", type=int, default=None, metavar="M",
         help="never form a configuration smaller than this, at most the job's world size (default: 1 on one "
              "node, a majority of nnodes x nproc-per-node on several)"),
+    arg("--membership-unit", choices=("node", "rank"), default="node",
+        help="node (default): this launcher is the node's member, its workers go through it, and the store serves "
+             "one member per node; rank: every worker is a member of its own (store load grows with ranks)"),
     arg("--log-dir", default=None, metavar="DIR",
         help="write each worker's stdout/stderr to DIR/worker<slot>.<restart>.out|.err (default: inherit)"),
     arg("--gpus-per-node", type=int, default=None, metavar="G",
@@ -284,6 +287,7 @@ def launch(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port, nnodes=args.nnodes, node_rank=args.node_rank, heartbeat_timeout=args.heartbeat_timeout,
         min_members=args.min_members, log_dir=args.log_dir, gpus_per_node=args.gpus_per_node,
+        membership_unit=args.membership_unit,
     )
     try:
         config.validate()

@@ -55,6 +55,10 @@ class LaunchConfig:
     #: count). More workers than GPUs means ranks share a GPU: NCCL then needs a distinct
     #: ``NCCL_HOSTID`` per rank (else "Duplicate GPU detected"), which the launcher sets.
     gpus_per_node: Optional[int] = None
+    #: ``"node"``: the launcher is its node's member (a node agent) and its workers go through it,
+    #: so the store's load grows with nodes, not ranks; ``"rank"``: every worker is a member of
+    #: its own, as without the launcher.
+    membership_unit: str = "node"
 
     @property
     def world_size(self) -> int:
@@ -121,6 +125,9 @@ class LaunchConfig:
                 raise InvalidOptionError("--membership-endpoints needs the etcd client: pip install 'ftc10d[etcd]' "
                                          "(etcd3gw), or drop the option to keep membership in the coordinator "
                                          "store") from None
+        if self.membership_unit not in ("node", "rank"):
+            raise InvalidOptionError(f"--membership-unit must be 'node' (one member per node: the launcher) or "
+                                     f"'rank' (one per worker), got {self.membership_unit!r}")
         if not self.host:
             raise InvalidOptionError("--host must be an address to bind, e.g. 127.0.0.1 or 0.0.0.0")
         if not self.heartbeat_timeout > 0:

@@ -13,6 +13,7 @@ import socket
 from typing import Mapping, Optional
 
 from ftc10d.launch.config import LaunchConfig
+from ftc10d.membership.local import NODE_AGENT_ENV
 from ftc10d.membership.records import TOKEN_ENV
 from ftc10d.train.bootstrap import (
     COORDINATOR_ENV,
@@ -92,9 +93,11 @@ def worker_env(
     launch_id: str,
     environ: Optional[Mapping[str, str]] = None,
     membership_prefix: Optional[str] = None,
+    node_agent: Optional[str] = None,
 ) -> dict[str, str]:
     """The full environment of the worker of slot ``local_rank`` after ``restart`` restarts.
-    ``membership_prefix``: the job's etcd key prefix (with ``config.membership_endpoints``)."""
+    ``membership_prefix``: the job's etcd key prefix (with ``config.membership_endpoints``);
+    ``node_agent``: the socket of the launcher's node agent (``membership_unit="node"``)."""
     host, _, port = coordinator.rpartition(":")
     env = base_env(config, environ)
     env.update({
@@ -120,6 +123,10 @@ def worker_env(
     host_id = shared_gpu_host_id(config, local_rank, env)
     if host_id is not None:
         env[NCCL_HOSTID] = host_id
+    if node_agent:
+        env[NODE_AGENT_ENV] = node_agent
+    else:
+        env.pop(NODE_AGENT_ENV, None)
     if config.membership_endpoints is not None and membership_prefix:
         env[MEMBERSHIP_PREFIX_ENV] = membership_prefix
     token = config.effective_token

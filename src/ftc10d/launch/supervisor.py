@@ -23,6 +23,11 @@ The launcher hosts the membership coordinator (``ftc10d.membership.tcp
 ``membership_endpoints`` the membership lives in etcd instead (the coordinator
 store then only serves the group's rendezvous and the handle keys), and exits
 are reported there: the same backend, and the same key prefix, as the workers'.
+
+With ``membership_unit="node"`` (the default) the launcher is also its node's
+member (:class:`ftc10d.membership.agent.NodeAgent`): it heartbeats, watches
+and detects for its workers, which reach it over a local socket
+(``$FTC10D_NODE_AGENT``), so that the store serves one member per node.
 """
 
 from __future__ import annotations
@@ -165,6 +170,7 @@ class Launcher:
         self._agreement: Any = None
         self._store: Any = None  # raw TCPStore client: the workers' handle keys
         self._membership_prefix: Optional[str] = None  # etcd only: the job's key prefix
+        self._agent: Any = None  # the node agent (membership_unit "node")
         self._slots: list[_Slot] = []
         self._spares: list[_Proc] = []
         self._spare_failures = 0
@@ -271,6 +277,9 @@ class Launcher:
                 self._stop_signal = signal.SIGTERM
             self._wake()
             self._thread.join()
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None
         if self._coordinator is not None:
             self._coordinator.close()
             self._coordinator = None
@@ -324,6 +333,11 @@ class Launcher:
             self._membership_prefix = self._agree_prefix()
             self._agreement = Agreement(self.membership_store(), Signer(token))
             logger.info("launcher %s: membership in etcd %s", self._launch_id, self._agreement.store.describe())
+        if cfg.membership_unit == "node":
+            from ftc10d.membership.agent import NodeAgent
+
+            self._agent = NodeAgent(self.membership_store(), token=token,
+                                    heartbeat_timeout=cfg.heartbeat_timeout).start()
 
     def _agree_prefix(self) -> str:
         """The job's etcd key prefix: the first launcher to ask proposes one of its own, the
@@ -382,7 +396,8 @@ class Launcher:
         """Start ``slot``'s worker: promote a spare if there is one (ready ones first), else cold."""
         cfg = self.config
         env = worker_env(cfg, local_rank=slot.index, restart=slot.restarts, coordinator=self.coordinator_address,
-                         launch_id=self._launch_id, membership_prefix=self._membership_prefix)
+                         launch_id=self._launch_id, membership_prefix=self._membership_prefix,
+                         node_agent=self._agent.path if self._agent is not None else None)
         spare = self._take_spare()
         if spare is not None:
             out, err = self._log_names(slot.index, slot.restarts)

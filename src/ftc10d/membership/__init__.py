@@ -18,10 +18,16 @@ Typical use, one ``Member`` per rank::
         except ftc10d.CollectiveError:
             member.sync(pg)                           # the next configuration (fresh uuid, survivors)
 
+Under ``ftc10d launch`` the launcher is its node's member (:class:`NodeAgent`): its
+ranks are still listed in every configuration, but they beat to it and receive
+configurations from it over a local socket, so the store's load grows with the
+node count, not the rank count (``Member(..., node_agent=path)``).
+
 A supervisor that sees a worker exit calls ``report_exit(handle)`` (on a
 ``Member``, or on ``Agreement``/``Coordinator.agreement()`` if it is not one).
 """
 
+from ftc10d.membership.agent import NodeAgent
 from ftc10d.membership.agreement import Agreement, Configuration, MemberInfo, Outcome, Status
 from ftc10d.membership.member import Member
 from ftc10d.membership.records import TOKEN_ENV, Signer
@@ -30,6 +36,7 @@ from ftc10d.membership.tcp import Coordinator, ReconnectingTCPStore, TCPMembersh
 
 __all__ = [
     "Member",
+    "NodeAgent",
     "Configuration",
     "Status",
     "Outcome",

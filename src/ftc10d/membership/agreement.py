@@ -79,8 +79,15 @@ def cfg_key(epoch: int) -> str:
     return f"cfg/{epoch:012d}"  # zero-padded: sorted listings (etcd) are in epoch order
 
 
+def unit_of(member_id: str) -> str:
+    """The heartbeat unit of a member: its node agent for a rank under ``ftc10d launch``
+    (ids ``<node>.<token>``, :mod:`ftc10d.membership.agent`), else the member itself."""
+    return member_id.split(".", 1)[0]
+
+
 def hb_key(member_id: str) -> str:
-    return f"hb/{member_id}"
+    """Where the liveness of ``member_id`` is written: its own counter, or its node's."""
+    return f"hb/{unit_of(member_id)}"
 
 
 def mem_key(member_id: str) -> str:

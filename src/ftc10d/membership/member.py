@@ -54,6 +54,7 @@ from ftc10d.membership.agreement import (
     new_member_id,
 )
 from ftc10d.membership.detector import LapseDetector
+from ftc10d.membership.local import NodeLink
 from ftc10d.membership.records import Signer
 from ftc10d.membership.store import MembershipStore
 from ftc10d.types import (
@@ -115,6 +116,10 @@ class Member:
             rejoin before re-forming without the missing ones (default ``2 * heartbeat_timeout``).
         rendezvous_timeout: bound of each ``pg.reconfigure`` rendezvous in :meth:`sync`
             (default ``10 * heartbeat_timeout``).
+        node_agent: the socket of this node's :class:`~ftc10d.membership.agent.NodeAgent`
+            (``$FTC10D_NODE_AGENT``, set by ``ftc10d launch``): the agent heartbeats, watches
+            and detects for the node; this member beats to it and receives configurations
+            from it, and makes no store request of its own in steady state (``watchers`` is 0).
     """
 
     def __init__(
@@ -132,6 +137,7 @@ class Member:
         require_majority: bool = True,
         rejoin_grace: Optional[float] = None,
         rendezvous_timeout: Optional[float] = None,
+        node_agent: Optional[str] = None,
     ) -> None:
         if not isinstance(handle, str) or not handle:
             raise InvalidOptionError(f"handle must be a non-empty str (pg.get_reconfigure_handle()), got {handle!r}")
@@ -143,13 +149,16 @@ class Member:
             token=token, heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval,
             watch_interval=watch_interval, watchers=watchers, min_members=min_members, expected=expected,
             require_majority=require_majority, rejoin_grace=rejoin_grace, rendezvous_timeout=rendezvous_timeout,
+            node_agent=node_agent,
         )
-        self.id = new_member_id()
+        self._link: Optional[NodeLink] = NodeLink(node_agent) if node_agent else None
+        # Under a node agent the id names the node: whoever reads this member's heartbeat reads its node's.
+        self.id = new_member_id() if self._link is None else f"{self._link.node}.{new_member_id()}"
         self.handle = handle
         self.heartbeat_timeout = heartbeat_timeout
         self.heartbeat_interval = heartbeat_interval or heartbeat_timeout / 10
         self.watch_interval = watch_interval or heartbeat_timeout / 40
-        self.watchers = watchers
+        self.watchers = watchers if self._link is None else 0
         self.rejoin_grace = rejoin_grace if rejoin_grace is not None else 2 * heartbeat_timeout
         self.rendezvous_timeout = rendezvous_timeout if rendezvous_timeout is not None else 10 * heartbeat_timeout
         self._signer = Signer(token)
@@ -220,9 +229,12 @@ class Member:
             last_rank=last.members.index(self.id) if last is not None and last.includes(self.id) else -1,
             last_inc=last.incarnation if last is not None else "",
         )
-        ag.store.put(mem_key(self.id), self._signer.encode(mem_key(self.id), info.to_body()), leased=True)
-        self._beats += 1
-        ag.store.put(hb_key(self.id), self._signer.encode_beat(hb_key(self.id), self._beats), leased=True)
+        # Under a node agent, the record outlives this process's lease-less connection; the
+        # node's heartbeat (the agent's) says whether it is alive.
+        ag.store.put(mem_key(self.id), self._signer.encode(mem_key(self.id), info.to_body()), leased=self._link is None)
+        if self._link is None:
+            self._beats += 1
+            ag.store.put(hb_key(self.id), self._signer.encode_beat(hb_key(self.id), self._beats), leased=True)
         ag.store.append_join(self.id)
         self._join_seq = None
 
@@ -610,6 +622,8 @@ class Member:
             self._store.revoke()
         except Exception:
             logger.debug("lease revoke failed", exc_info=True)
+        if self._link is not None:
+            self._link.close()
 
     def __enter__(self) -> "Member":
         return self.join()
@@ -658,6 +672,11 @@ class Member:
                 _merge_into(ag.store, self._signer, f"fact/{name}", body, merge)
 
     def _beat_loop(self) -> None:
+        if self._link is not None and self._link.broken is None:
+            self._local_beat_loop(self._link)
+            if not self._running():
+                return
+            logger.warning("membership: %s heartbeats to the store itself from now on", self.id)
         store = self._store.clone()
         ag = self._new_agreement(store)
         conn = store.connection_epoch
@@ -695,12 +714,36 @@ class Member:
                 self._stop.wait(delay)
         store.close()
 
+    def _local_beat_loop(self, link: NodeLink) -> None:
+        """Beat to the node agent; an answer says it (and its store heartbeat) is alive. A gap
+        in our own beats (we were frozen) makes us suspect ourselves, as with the store."""
+        next_t = time.monotonic()
+        prev_ok = time.monotonic()
+        while self._running() and link.broken is None:
+            now = time.monotonic()
+            if now - prev_ok > self.heartbeat_timeout / 2:
+                self._suspect_self = True
+                self._beat_gap_at = now
+            self._beats += 1
+            ok = link.beat(self._beats, self.id, timeout=self.heartbeat_interval)
+            if ok:
+                prev_ok = self._last_beat_ok = time.monotonic()
+                self._reachable()
+            elif ok is False:
+                self._unreachable(StoreUnavailableError("the node agent cannot reach the store"))
+            next_t += self.heartbeat_interval
+            delay = next_t - time.monotonic()
+            if delay < -self.heartbeat_interval:
+                next_t = time.monotonic()
+            elif delay > 0:
+                self._stop.wait(delay)
+
     def _publish_record_only(self, store: MembershipStore) -> None:
         """The lease expired under us (etcd) and a new one was granted: put our member
         record back on it. If we were removed meanwhile, verification fences us."""
         self._suspect_self = True
         body = MemberInfo(id=self.id, handle=self.handle).to_body()
-        store.put(mem_key(self.id), self._signer.encode(mem_key(self.id), body), leased=True)
+        store.put(mem_key(self.id), self._signer.encode(mem_key(self.id), body), leased=self._link is None)
 
     def _healthy(self, now: float) -> bool:
         """Whether our own heartbeats have flowed for a full timeout: only then do we judge
@@ -790,15 +833,31 @@ class Member:
         store = self._store.clone()
         ag = self._new_agreement(store)
         conn = store.connection_epoch
+        link = self._link
+        incs = link.incs if link is not None else 0
         while self._running():
             try:
+                if link is not None and link.broken is not None and link.broken != "closed":
+                    logger.warning("membership: %s watches the store itself from now on", self.id)
+                    link = None
                 if store.connection_epoch != conn:
                     conn = store.connection_epoch
                     self._check_incarnation(ag)
                 cur = self._current
                 if cur is not None and cur.incarnation == self._inc and self._reform is None:
                     ag.remember(cur)  # the base of the next record if that is a delta
-                    raw = store.wait_for(cfg_key(cur.epoch + 1), WAIT_SLICE, self._stop)
+                    if link is not None:
+                        got, raw = link.wait_config(cur.epoch + 1, incs, WAIT_SLICE, self._stop)
+                        if got == "inc":
+                            incs = link.incs
+                            self._check_incarnation(ag)
+                            continue
+                        if got == "later":
+                            raw = store.get(cfg_key(cur.epoch + 1))
+                        elif got != "cfg":
+                            continue
+                    else:
+                        raw = store.wait_for(cfg_key(cur.epoch + 1), WAIT_SLICE, self._stop)
                     self._reachable()
                     if raw is None or not self._running():
                         continue
@@ -812,6 +871,14 @@ class Member:
                 latest = ag.latest()
                 self._reachable()
                 if latest is not None and self._adopt(latest):
+                    continue
+                if link is not None:
+                    # The agent pushes every new configuration: wake on the next one, then read the chain.
+                    top = max(link.top(), latest.epoch if latest is not None else 0)
+                    got, _ = link.wait_config(top + 1, incs, min(WAIT_SLICE, self.heartbeat_timeout), self._stop)
+                    if got == "inc":
+                        incs = link.incs
+                        self._check_incarnation(ag)
                     continue
                 key = cfg_key(latest.epoch + 1) if latest is not None else KEY_START
                 store.wait_for(key, min(WAIT_SLICE, self.heartbeat_timeout), self._stop)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
-from ftc10d.membership.agreement import Agreement, Configuration, cfg_key, hb_key
+from ftc10d.membership.agreement import Agreement, Configuration, cfg_key, hb_key, unit_of
 from ftc10d.membership.detector import LapseDetector
 from ftc10d.membership.records import Signer
 from ftc10d.membership.store import MembershipStore
@@ -333,12 +333,13 @@ class Coordinator:
                     cur = agreement.latest(hint=None if cur is None else cur.epoch)
                     self.latest = cur
                 if cur is not None:
-                    ids = list(cur.members)
-                    raws = store.get_many([hb_key(m) for m in ids])
-                    lapsed = detector.observe(ids, raws, time.monotonic())
+                    # One read per heartbeat unit: a node agent's ranks share their node's heartbeat.
+                    units = list(dict.fromkeys(unit_of(m) for m in cur.members))
+                    raws = store.get_many([hb_key(u) for u in units])
+                    lapsed = set(detector.observe(units, raws, time.monotonic()))
                     if lapsed:
                         self.detections += 1
-                        out = agreement.propose({m: "heartbeat" for m in lapsed},
+                        out = agreement.propose({m: "heartbeat" for m in cur.members if unit_of(m) in lapsed},
                                                 reason="coordinator: heartbeat lapsed")
                         if out.blocked:
                             logger.warning("membership coordinator: %s", out.blocked)

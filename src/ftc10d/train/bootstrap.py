@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any, Optional, Sequence, Union
 
 from ftc10d.membership import Member, MembershipStore, ReconnectingTCPStore, TCPMembershipStore
+from ftc10d.membership.local import NODE_AGENT_ENV
 from ftc10d.membership.records import TOKEN_ENV
 from ftc10d.pg import ProcessGroup
 from ftc10d.pg.channels import default_backend
@@ -154,7 +155,9 @@ def init_from_env(
 
     Returns ``(pg, member)`` with ``pg`` configured on the member's configuration.
     The group's rendezvous uses the coordinator store; membership uses it too, or etcd
-    when the launcher set ``$FTC10D_MEMBERSHIP_ENDPOINTS``.
+    when the launcher set ``$FTC10D_MEMBERSHIP_ENDPOINTS``. Under ``ftc10d launch`` the
+    member goes through its node's agent (``$FTC10D_NODE_AGENT``): one member per node
+    talks to the store.
     ``RANK``/``WORLD_SIZE`` only shape the *first* configuration (it waits for
     ``WORLD_SIZE`` members); ranks in later ones follow membership order.
     ``backend``: the group's channels (:mod:`ftc10d.pg.channels`); None: ``$FTC10D_BACKEND``,
@@ -179,6 +182,7 @@ def init_from_env(
         heartbeat_timeout=hb,
         min_members=min_members if min_members is not None else env.min_members,
         expected=env.world_size,
+        node_agent=os.environ.get(NODE_AGENT_ENV) or None,
     ).join().attach(pg)
     cfg = member.sync(pg, timeout=admission_timeout)
     logger.info("worker %d: admitted at epoch %d as rank %d of %d", os.getpid(), cfg.epoch, pg.rank(), pg.size())

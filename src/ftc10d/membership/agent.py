@@ -1,0 +1,483 @@
+"""``NodeAgent``: one member of the membership per node, on behalf of its ranks.
+
+Under ``ftc10d launch`` the launcher hosts one agent. Its workers are still
+members of every configuration (each rank is listed with its handle: ranks,
+uuids and the step-commit protocol are unchanged), but their ids are
+``<node>.<token>``, and a member's heartbeat key is its *node's*
+(:func:`ftc10d.membership.agreement.hb_key`): while the agent beats, its ranks
+are alive to everyone who looks; when it stops, all of them lapse together.
+
+The agent does for the node what every rank did for itself:
+
+- **beat**: writes ``hb/<node>`` every ``heartbeat_interval`` (renews the etcd lease).
+- **watch**: waits for the next configuration slot -- one store poll per node,
+  not per rank -- and pushes each record to its workers over the local channel
+  (:mod:`ftc10d.membership.local`); announces a store reconnection so that the
+  workers look at its incarnation (a store that lost its state is re-formed).
+- **detect**: reads the heartbeats of its ``watchers`` ring successors among
+  the configuration's *nodes* and proposes the removal of every rank of a node
+  that lapsed; and watches its own workers' local heartbeats, proposing the
+  removal of a rank that stopped beating (a frozen process in a live node:
+  fenced like any removed member when it resumes).
+- **io**: one thread serves the local channel (accept, read, buffered writes),
+  so that a frozen worker's full socket never blocks the agent.
+
+The agent proposes as an *authority* (like the coordinator's detector): its
+proposals obey ``min_members`` and the majority rule; it proposes suspicions
+only while its node has ranks in the latest configuration, and judges nobody
+while its own heartbeats are not flowing (it was frozen, or the store was
+away). A worker's exit is reported by the launcher at once (pidfd), as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from typing import Any, Optional
+
+from ftc10d.membership.agreement import KEY_START, Agreement, Configuration, cfg_key, hb_key, new_member_id, unit_of
+from ftc10d.membership.detector import LapseDetector
+from ftc10d.membership.local import FrameBuffer, b64, encode
+from ftc10d.membership.records import Signer
+from ftc10d.membership.store import MembershipStore
+from ftc10d.types import StoreUnavailableError
+
+logger = logging.getLogger("ftc10d")
+
+#: How long the watch thread waits for the next configuration before looking around.
+WAIT_SLICE = 5.0
+
+
+def node_ring(cfg: Configuration, node: str, k: int) -> list[str]:
+    """The ``k`` nodes after ``node`` in ``cfg`` (nodes in order of their first rank, wrapping)."""
+    units = list(dict.fromkeys(unit_of(m) for m in cfg.members))
+    if node not in units or k <= 0:
+        return []
+    i = units.index(node)
+    n = len(units)
+    return [units[(i + j) % n] for j in range(1, min(k, n - 1) + 1)]
+
+
+class _Conn:
+    """One worker's end of the local channel, as the agent sees it."""
+
+    __slots__ = ("sock", "frames", "out", "member", "pid")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.frames = FrameBuffer()
+        self.out = bytearray()
+        self.member: Optional[str] = None
+        self.pid = 0
+
+
+class NodeAgent:
+    """A node's member: heartbeats, watches and detects for the ranks of its node.
+
+    Args:
+        store: the job's membership store (the agent clones a connection per thread).
+        token: the job token; records are signed and verified with it.
+        heartbeat_timeout: a node (or a local rank) silent this long is removed.
+        heartbeat_interval: default ``heartbeat_timeout / 10``.
+        watch_interval: how often ring successors' heartbeats are read (default ``heartbeat_timeout / 40``).
+        watchers: how many ring successor *nodes* each agent watches.
+        socket_dir: where the local channel's socket is created (default: a new temporary folder).
+    """
+
+    def __init__(
+        self,
+        store: MembershipStore,
+        *,
+        token: Optional[str] = None,
+        heartbeat_timeout: float = 1.0,
+        heartbeat_interval: Optional[float] = None,
+        watch_interval: Optional[float] = None,
+        watchers: int = 2,
+        socket_dir: Optional[str] = None,
+    ) -> None:
+        self.id = new_member_id()  # hex only: a rank's id is "<node>.<token>"
+        self.heartbeat_timeout = heartbeat_timeout
+        self.heartbeat_interval = heartbeat_interval or heartbeat_timeout / 10
+        self.watch_interval = watch_interval or heartbeat_timeout / 40
+        self.watchers = watchers
+        self._signer = Signer(token)
+        self._store = store
+        self._own_dir = socket_dir is None
+        self._dir = socket_dir or tempfile.mkdtemp(prefix="ftc10d-node-")
+        self.path = os.path.join(self._dir, f"agent-{self.id}.sock")
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._listener: Optional[socket.socket] = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._conns: dict[int, _Conn] = {}
+        self._cur: Optional[Configuration] = None
+        self._cur_raw: Optional[bytes] = None
+        self._inc: Optional[str] = None
+        self._store_ok_at = 0.0
+        self._beat_gap_at = time.monotonic()
+        self._last_seen: dict[str, float] = {}  # local member id -> when its last local beat came
+        self.proposals = 0  # removals this agent proposed (tests, benchmarks)
+
+    # ================================================================ public
+
+    def start(self) -> "NodeAgent":
+        """Bind the local channel and start the threads; the first heartbeat is written
+        before this returns (a worker's join is admitted only if its node heartbeats)."""
+        lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        lst.bind(self.path)
+        os.chmod(self.path, 0o600)
+        lst.listen(1024)
+        lst.setblocking(False)
+        self._listener = lst
+        self._beat_once(self._store, 1)
+        for name, fn in (("beat", self._beat_loop), ("watch", self._watch_loop),
+                         ("detect", self._detect_loop), ("io", self._io_loop)):
+            t = threading.Thread(target=self._guard, args=(fn,), name=f"ftc10d-node-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        logger.info("membership: node agent %s on %s, via %s", self.id, self.path, self._store.describe())
+        return self
+
+    @property
+    def current(self) -> Optional[Configuration]:
+        """The newest configuration the agent saw."""
+        return self._cur
+
+    def local_members(self) -> list[str]:
+        """Member ids of the workers connected now."""
+        with self._lock:
+            return sorted(c.member for c in self._conns.values() if c.member)
+
+    def close(self) -> None:
+        """Stop the threads and remove the socket. The node's heartbeat stops: if its ranks are
+        still members, the other nodes remove them after the timeout."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake()
+        for t in self._threads:
+            t.join(2.0)
+        for fd in (self._listener, self._wake_r, self._wake_w):
+            if fd is not None:
+                fd.close()
+        with self._lock:
+            for c in self._conns.values():
+                c.sock.close()
+            self._conns.clear()
+        try:
+            self._store.revoke()
+        except Exception:
+            logger.debug("lease revoke failed", exc_info=True)
+        if self._own_dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        else:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+    def __enter__(self) -> "NodeAgent":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ================================================================ threads
+
+    def _guard(self, fn: Any) -> None:
+        try:
+            fn()
+        except Exception:
+            logger.exception("membership: %s thread of node agent %s died", threading.current_thread().name, self.id)
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def _broadcast(self, msg: dict[str, Any]) -> None:
+        frame = encode(msg)
+        with self._lock:
+            for c in self._conns.values():
+                if c.member is not None or msg.get("op") == "inc":
+                    c.out += frame
+        self._wake()
+
+    def _beat_once(self, store: MembershipStore, n: int) -> None:
+        key = hb_key(self.id)
+        store.put(key, self._signer.encode_beat(key, n), leased=True)
+        self._store_ok_at = time.monotonic()
+
+    def _beat_loop(self) -> None:
+        store = self._store.clone()
+        ag = Agreement(store, self._signer)
+        conn = store.connection_epoch
+        n = 1
+        next_t = time.monotonic()
+        prev_ok = time.monotonic()
+        last_keepalive = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now - prev_ok > self.heartbeat_timeout / 2:
+                self._beat_gap_at = now
+            try:
+                n += 1
+                self._beat_once(store, n)
+                if now - last_keepalive > self.heartbeat_interval * 2:
+                    store.keepalive()
+                    last_keepalive = now
+                if store.connection_epoch != conn:
+                    conn = store.connection_epoch
+                    inc = ag.incarnation(create=False)
+                    logger.warning("membership: node agent %s reconnected to the store (incarnation %s)", self.id, inc)
+                    if inc != self._inc:
+                        self._cur = None  # the watch thread reads this incarnation's chain
+                    self._broadcast({"op": "inc"})
+                prev_ok = time.monotonic()
+            except StoreUnavailableError as exc:
+                logger.debug("node agent %s: heartbeat failed: %s", self.id, exc)
+            except Exception:
+                logger.warning("membership: heartbeat of node agent %s failed", self.id, exc_info=True)
+            next_t += self.heartbeat_interval
+            delay = next_t - time.monotonic()
+            if delay < -self.heartbeat_interval:
+                next_t = time.monotonic()
+            elif delay > 0:
+                self._stop.wait(delay)
+        store.close()
+
+    def _healthy(self, now: float) -> bool:
+        return now - self._store_ok_at < self.heartbeat_timeout / 2 and now - self._beat_gap_at > self.heartbeat_timeout
+
+    def _watch_loop(self) -> None:
+        store = self._store.clone()
+        ag = Agreement(store, self._signer)
+        while not self._stop.is_set():
+            try:
+                cur = self._cur
+                if cur is None:
+                    self._inc = ag.incarnation(create=False)
+                    latest = ag.latest()
+                    if latest is None:
+                        store.wait_for(KEY_START, min(WAIT_SLICE, self.heartbeat_timeout), self._stop)
+                        continue
+                    raw = store.get(cfg_key(latest.epoch))
+                    self._take(latest, raw)
+                    continue
+                ag.remember(cur)
+                raw = store.wait_for(cfg_key(cur.epoch + 1), WAIT_SLICE, self._stop)
+                if raw is None or self._stop.is_set():
+                    continue
+                nxt = ag.read_config(cur.epoch + 1, raw=raw)
+                if nxt is None:
+                    self._stop.wait(self.heartbeat_interval)  # a bad record: wait for a proposer to replace it
+                    continue
+                self._take(nxt, raw)
+            except StoreUnavailableError:
+                self._stop.wait(self.heartbeat_interval)
+            except Exception:
+                logger.warning("membership: watcher of node agent %s failed", self.id, exc_info=True)
+                self._stop.wait(self.heartbeat_interval)
+        store.close()
+
+    def _take(self, cfg: Configuration, raw: Optional[bytes]) -> None:
+        with self._lock:
+            if self._cur is not None and self._cur.incarnation == cfg.incarnation and cfg.epoch <= self._cur.epoch:
+                return
+            self._cur = cfg
+            self._cur_raw = raw
+        if raw is not None:
+            self._broadcast({"op": "cfg", "epoch": cfg.epoch, "raw": b64(raw)})
+
+    def _detect_loop(self) -> None:
+        store = self._store.clone()
+        ag = Agreement(store, self._signer, pending_ttl=5 * self.heartbeat_timeout)
+        nodes = LapseDetector(self._signer, self.heartbeat_timeout)
+        suspects: dict[str, str] = {}
+        suspects_epoch = -1
+        last_attempt = 0.0
+        prev = time.monotonic()
+        while not self._stop.wait(self.watch_interval):
+            now = time.monotonic()
+            gap = now - prev > self.heartbeat_timeout / 2
+            prev = now
+            cur = self._cur
+            if cur is None:
+                continue
+            if cur.epoch != suspects_epoch:
+                suspects, suspects_epoch = {}, cur.epoch
+            mine = [m for m in cur.members if unit_of(m) == self.id]
+            if not mine:
+                continue  # none of our ranks is a member: we have no say on suspicions
+            healthy = self._healthy(now) and not gap
+            fresh: dict[str, str] = {}
+            # Local ranks: their beats come over the local channel.
+            with self._lock:
+                if not healthy:
+                    self._last_seen = {m: now for m in mine}
+                else:
+                    self._last_seen = {m: self._last_seen.get(m, now) for m in mine}
+                    for m, t in self._last_seen.items():
+                        if now - t > self.heartbeat_timeout and m not in suspects:
+                            fresh[m] = "local-heartbeat"
+            try:
+                ring = node_ring(cur, self.id, self.watchers)
+                if ring:
+                    raws = store.get_many([hb_key(u) for u in ring])
+                    for u in nodes.observe(ring, raws, time.monotonic(), healthy=healthy):
+                        for m in cur.members:
+                            if unit_of(m) == u and m not in suspects:
+                                fresh.setdefault(m, "heartbeat")
+                suspects.update(fresh)
+                if not fresh and not (suspects and now - last_attempt >= self.heartbeat_timeout):
+                    continue
+                last_attempt = now
+                self.proposals += 1
+                why = ", ".join(f"{m}: {w}" for m, w in sorted(suspects.items()))
+                out = ag.propose(dict(suspects), reason=f"node {self.id} saw {why}")
+                if out.blocked:
+                    logger.warning("membership: node agent %s: %s", self.id, out.blocked)
+                if out.config is not None and out.config.epoch > cur.epoch:
+                    raw = store.get(cfg_key(out.config.epoch))
+                    self._take(out.config, raw)
+            except StoreUnavailableError:
+                self._stop.wait(self.heartbeat_interval)
+            except Exception:
+                logger.warning("membership: detector of node agent %s failed", self.id, exc_info=True)
+                self._stop.wait(self.heartbeat_interval)
+        store.close()
+
+    # ================================================================ local channel
+
+    def _io_loop(self) -> None:
+        sel = selectors.DefaultSelector()
+        assert self._listener is not None
+        sel.register(self._listener, selectors.EVENT_READ, "accept")
+        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._wake_r.setblocking(False)
+        try:
+            while not self._stop.is_set():
+                for key, events in sel.select(timeout=1.0):
+                    tag = key.data
+                    if tag == "accept":
+                        self._accept(sel)
+                    elif tag == "wake":
+                        try:
+                            self._wake_r.recv(4096)
+                        except BlockingIOError:
+                            pass
+                    else:
+                        conn: _Conn = tag
+                        if events & selectors.EVENT_READ:
+                            self._read(sel, conn)
+                        if events & selectors.EVENT_WRITE:
+                            self._flush(sel, conn)
+                with self._lock:
+                    pending = [c for c in self._conns.values() if c.out]
+                for c in pending:
+                    self._flush(sel, c)
+        finally:
+            sel.close()
+
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            sock.setblocking(False)
+            conn = _Conn(sock)
+            with self._lock:
+                self._conns[sock.fileno()] = conn
+            sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _drop(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
+        with self._lock:
+            self._conns.pop(conn.sock.fileno(), None)
+        try:
+            sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+        if conn.member:
+            logger.info("membership: node agent %s: the link of %s (pid %d) closed", self.id, conn.member, conn.pid)
+
+    def _read(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(sel, conn)
+            return
+        try:
+            msgs = conn.frames.feed(data)
+        except Exception as exc:
+            logger.warning("membership: node agent %s drops a local link: %s", self.id, exc)
+            self._drop(sel, conn)
+            return
+        now = time.monotonic()
+        replies = bytearray()
+        for msg in msgs:
+            op = msg.get("op")
+            if op == "hello":
+                conn.pid = int(msg["pid"]) if isinstance(msg.get("pid"), int) else 0
+                replies += encode({"op": "welcome", "node": self.id})
+            elif op == "beat" and isinstance(msg.get("id"), str) and isinstance(msg.get("n"), int):
+                mid = msg["id"]
+                if unit_of(mid) != self.id:
+                    continue  # not one of ours: nothing to vouch for
+                first = conn.member is None
+                conn.member = mid
+                with self._lock:
+                    if mid in self._last_seen:
+                        self._last_seen[mid] = now
+                ok = now - self._store_ok_at < max(2 * self.heartbeat_interval, self.heartbeat_timeout / 2)
+                replies += encode({"op": "ack", "n": msg["n"], "ok": ok})
+                if first and self._cur is not None:
+                    self._send_latest(conn)
+        if replies:
+            with self._lock:
+                conn.out += replies
+            self._flush(sel, conn)
+
+    def _send_latest(self, conn: _Conn) -> None:
+        """A worker that just linked: the agent's newest record, so that a joiner need not poll."""
+        with self._lock:
+            cur, raw = self._cur, self._cur_raw
+            if cur is not None and raw is not None:
+                conn.out += encode({"op": "cfg", "epoch": cur.epoch, "raw": b64(raw)})
+
+    def _flush(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
+        with self._lock:
+            if not conn.out:
+                data = b""
+            else:
+                data = bytes(conn.out)
+        sent = 0
+        if data:
+            try:
+                sent = conn.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self._drop(sel, conn)
+                return
+        with self._lock:
+            del conn.out[:sent]
+            want = bool(conn.out)
+        try:
+            sel.modify(conn.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if want else 0), conn)
+        except (KeyError, ValueError):
+            pass
