@@ -44,7 +44,8 @@ def make_store(spec: dict[str, Any]) -> Any:
     return EtcdMembershipStore(spec["endpoints"], **kwargs)
 
 
-def make_member(spec: dict[str, Any], handle: str, opts: dict[str, Any]) -> Any:
+def make_member(spec: dict[str, Any], handle: str, opts: dict[str, Any], rank: int = -1) -> Any:
+    """``opts["agents"]``: rank -> the socket of the node agent it goes through (node mode)."""
     from ftc10d.membership import Member
 
     return Member(
@@ -52,6 +53,7 @@ def make_member(spec: dict[str, Any], handle: str, opts: dict[str, Any]) -> Any:
         heartbeat_timeout=opts.get("hb", 1.0), min_members=opts.get("min_members", 1),
         expected=opts.get("expected"), watchers=opts.get("watchers", 2),
         rendezvous_timeout=opts.get("rendezvous_timeout", 10.0),
+        node_agent=opts.get("agents", {}).get(str(rank)),
     )
 
 
@@ -79,6 +81,7 @@ def pg_worker(rank: int, world: int, port: int, spec: dict[str, Any], opts: dict
 
     import ftc10d
     from ftc10d.membership import ReconnectingTCPStore
+    from ftc10d.membership.tcp import requests_made
 
     _log_to(rank)
     control = client_store(port)
@@ -94,7 +97,7 @@ def pg_worker(rank: int, world: int, port: int, spec: dict[str, Any], opts: dict
     hold = opts.get("hold", {}).get(str(rank))
     if hold:  # a late joiner, ready to go: joins the membership once the test sets this key
         control.wait([hold], timedelta(seconds=120))
-    member = make_member(spec, handle, opts).join().attach(pg)
+    member = make_member(spec, handle, opts, rank).join().attach(pg)
     events: list[list[Any]] = []
     history: list[list[Any]] = []
 
@@ -126,7 +129,8 @@ def pg_worker(rank: int, world: int, port: int, spec: dict[str, Any], opts: dict
                 raise AssertionError(f"allreduce gave {t[0].item()} in a group of {pg.size()}")
             steps += 1
             _publish(control, rank, {"epoch": member.current().epoch, "uuid": pg.uuid, "size": pg.size(),
-                                     "steps": steps, "fenced": fenced, "member": member.id, "handle": handle})
+                                     "steps": steps, "fenced": fenced, "member": member.id, "handle": handle,
+                                     "requests": requests_made(), "t": time.monotonic()})
         except ftc10d.Fenced as exc:
             fenced += 1
             note("fenced", str(exc))

@@ -60,6 +60,17 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+#: Requests this process made to membership TCPStores (one round trip each): :func:`requests_made`.
+_requests = 0
+_requests_lock = threading.Lock()
+
+
+def requests_made() -> int:
+    """How many requests this process's membership clients made so far. Tests and
+    benchmarks read the store's load from it (TCPStore's server counts nothing)."""
+    return _requests
+
+
 class TCPMembershipStore(MembershipStore):
     """A client connection to a membership TCPStore at ``host:port``.
 
@@ -127,6 +138,9 @@ class TCPMembershipStore(MembershipStore):
         return client
 
     def _call(self, fn: Callable[[dist.TCPStore], T]) -> T:
+        global _requests
+        with _requests_lock:
+            _requests += 1
         for attempt in range(2):
             if self._client is None:
                 self._client = self._connect()

@@ -1,0 +1,165 @@
+"""One member per node: ranks that go through a node agent (``ftc10d launch``'s default).
+
+Real ranks (real ProcessGroups allreducing in a loop, recovering through
+``Member.sync`` only) linked to real :class:`NodeAgent`s over their Unix
+sockets, on a real coordinator TCPStore. Checked: every rank is still listed in
+the configuration (under its node's id), the ranks make no store request of
+their own in steady state, a frozen rank inside a live node is removed by its
+agent (local heartbeat) and fenced when it resumes, and a node that goes silent
+(its agent frozen) is removed with all its ranks by the other nodes' ring.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Iterator
+
+import pytest
+
+from ftc10d.membership import Coordinator, NodeAgent
+from ftc10d.membership.agreement import hb_key, unit_of
+from ftc10d.membership.local import FrameBuffer, NodeLink, encode
+from ftc10d.types import MembershipError
+from tests import harness
+from tests.membership.conftest import same_config, tcp_spec, wait_states
+from tests.membership.workers import pg_worker
+
+AGENT = """
+import json, sys
+from ftc10d.membership import NodeAgent, TCPMembershipStore
+agent = NodeAgent(TCPMembershipStore(sys.argv[1], int(sys.argv[2])), heartbeat_timeout=1.0).start()
+print(json.dumps({"id": agent.id, "path": agent.path}), flush=True)
+sys.stdin.read()
+agent.close()
+"""
+
+
+@pytest.fixture
+def coordinator() -> Iterator[Coordinator]:
+    # No coordinator-side detection: the agents alone must find what goes silent.
+    co = Coordinator(detect=False).start()
+    try:
+        yield co
+    finally:
+        co.close()
+
+
+def _agent_process(co: Coordinator) -> tuple[subprocess.Popen, dict[str, str]]:
+    proc = subprocess.Popen([sys.executable, "-c", AGENT, co.host, str(co.port)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    info = json.loads(proc.stdout.readline())
+    return proc, info
+
+
+def test_frames_round_trip_and_bad_frames_are_typed_errors() -> None:
+    buf = FrameBuffer()
+    data = encode({"op": "beat", "n": 1, "id": "a.b"}) + encode({"op": "ack", "n": 1, "ok": True})
+    assert buf.feed(data[:7]) == []
+    assert buf.feed(data[7:]) == [{"op": "beat", "n": 1, "id": "a.b"}, {"op": "ack", "n": 1, "ok": True}]
+    with pytest.raises(MembershipError, match="not JSON"):
+        FrameBuffer().feed(b"\x00\x00\x00\x03abc")
+    with pytest.raises(MembershipError, match="limit"):
+        FrameBuffer().feed(b"\xff\xff\xff\xff")
+
+
+def test_a_link_to_no_agent_says_how_to_run_without_one(tmp_path: Any) -> None:
+    with pytest.raises(MembershipError, match="FTC10D_NODE_AGENT"):
+        NodeLink(str(tmp_path / "nothing.sock"))
+
+
+def test_ranks_of_a_node_are_members_under_its_id_and_make_no_store_requests(coordinator: Coordinator) -> None:
+    spec = tcp_spec(coordinator)
+    with NodeAgent(coordinator.membership_store(), heartbeat_timeout=1.0) as agent:
+        opts = {"expected": 3, "agents": {str(r): agent.path for r in range(3)}}
+        job = harness.start(pg_worker, 3, spec, opts)
+        try:
+            st = wait_states(job.store, [0, 1, 2], lambda s: same_config(s, 3, min_steps=5), 60, "3 ranks running")
+            assert all(unit_of(s["member"]) == agent.id and s["member"] != agent.id for s in st.values()), st
+            assert hb_key(st[0]["member"]) == f"hb/{agent.id}"
+            # No heartbeat of a rank's own in the store: only the node's.
+            assert not coordinator.membership_store().exists(f"hb/{st[0]['member']}")
+            first = {r: (s["requests"], s["t"]) for r, s in st.items()}
+            time.sleep(3.0)
+            st = wait_states(job.store, [0, 1, 2], lambda s: all(s[r]["t"] > first[r][1] + 2.5 for r in s), 30,
+                             "three more seconds of steps")
+            rates = {r: (s["requests"] - first[r][0]) / (s["t"] - first[r][1]) for r, s in st.items()}
+            # Per rank without an agent: ~50 polls/s for the next configuration, ~40 ring reads/s and
+            # 10 heartbeats/s. With one: none (check() asks the store only after a gap in its beats).
+            assert all(rate < 1.0 for rate in rates.values()), rates
+            assert sorted(agent.local_members()) == sorted(s["member"] for s in st.values())
+            job.store.set("test/stop", "1")
+            job.collect(timeout=60)
+        finally:
+            job.close()
+
+
+def test_a_frozen_rank_in_a_live_node_is_removed_by_its_agent_then_fenced(coordinator: Coordinator) -> None:
+    spec = tcp_spec(coordinator)
+    with NodeAgent(coordinator.membership_store(), heartbeat_timeout=1.0) as agent:
+        opts = {"expected": 3, "rejoin": True, "agents": {str(r): agent.path for r in range(3)}}
+        job = harness.start(pg_worker, 3, spec, opts)
+        try:
+            st = wait_states(job.store, [0, 1, 2], lambda s: same_config(s, 3, min_steps=3), 60, "3 ranks running")
+            before, frozen = st[0]["uuid"], st[2]["member"]
+            job.signal(2, signal.SIGSTOP)
+            t0 = time.monotonic()
+            st = wait_states(job.store, [0, 1], lambda s: same_config(s, 2, not_uuid=before), 30,
+                             "the agent to remove its frozen rank")
+            removed_after = time.monotonic() - t0
+            shrunk = st[0]["uuid"]
+            job.signal(2, signal.SIGCONT)
+            st = wait_states(job.store, [0, 1, 2],
+                             lambda s: same_config(s, 3, not_uuid=shrunk) and s[2].get("fenced") == 1, 60,
+                             "the frozen rank to be fenced, rejoin through its agent and be admitted")
+            assert st[2]["member"] != frozen and unit_of(st[2]["member"]) == agent.id
+            job.store.set("test/stop", "1")
+            results = job.collect(timeout=60)
+        finally:
+            job.close()
+    fenced = [e for e in results[2]["events"] if e[1] == "fenced"]
+    assert len(fenced) == 1 and "local-heartbeat" in fenced[0][2], fenced
+    assert 0.5 < removed_after < 8, f"removed after {removed_after:.2f} s"
+
+
+def test_a_silent_node_is_removed_with_all_its_ranks_by_the_others_ring(coordinator: Coordinator) -> None:
+    """Three nodes of two ranks; node 1's agent is SIGSTOPped (its ranks live on, unanswered):
+    nodes 0 and 2 see its heartbeat lapse and remove both of its ranks; those find out they
+    were removed (their beats go unanswered, so they ask the store) and are fenced."""
+    spec = tcp_spec(coordinator)
+    proc, remote = _agent_process(coordinator)
+    try:
+        with NodeAgent(coordinator.membership_store(), heartbeat_timeout=1.0) as a0, \
+                NodeAgent(coordinator.membership_store(), heartbeat_timeout=1.0) as a2:
+            paths = [a0.path, a0.path, remote["path"], remote["path"], a2.path, a2.path]
+            opts = {"expected": 6, "agents": {str(r): p for r, p in enumerate(paths)}}
+            job = harness.start(pg_worker, 6, spec, opts)
+            try:
+                st = wait_states(job.store, list(range(6)), lambda s: same_config(s, 6, min_steps=3), 90,
+                                 "6 ranks running")
+                assert {unit_of(st[r]["member"]) for r in (2, 3)} == {remote["id"]}
+                before = st[0]["uuid"]
+                proc.send_signal(signal.SIGSTOP)
+                t0 = time.monotonic()
+                wait_states(job.store, [0, 1, 4, 5], lambda s: same_config(s, 4, not_uuid=before), 30,
+                            "the other nodes to remove node 1's ranks")
+                removed_after = time.monotonic() - t0
+                st = wait_states(job.store, [2, 3], lambda s: all(x.get("fenced") == 1 for x in s.values()), 30,
+                                 "node 1's ranks to be fenced")
+                job.store.set("test/stop", "1")
+                results = job.collect([0, 1, 4, 5], timeout=60)
+            finally:
+                proc.send_signal(signal.SIGCONT)
+                job.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    finals = {tuple(results[r]["history"][-1][2]) for r in results}
+    assert len(finals) == 1, finals
+    final = finals.pop()
+    assert len(final) == 4 and st[2]["handle"] not in final and st[3]["handle"] not in final, final
+    assert 0.5 < removed_after < 8, f"removed after {removed_after:.2f} s"
