@@ -163,3 +163,33 @@ def test_a_silent_node_is_removed_with_all_its_ranks_by_the_others_ring(coordina
     final = finals.pop()
     assert len(final) == 4 and st[2]["handle"] not in final and st[3]["handle"] not in final, final
     assert 0.5 < removed_after < 8, f"removed after {removed_after:.2f} s"
+
+
+@pytest.mark.parametrize("notify", [True, False], ids=["hinted", "polling"])
+def test_an_agent_learns_each_configuration_from_the_coordinators_hint_or_by_polling(notify: bool) -> None:
+    """With the coordinator's notifier the agent reads the chain only when hinted (one poll per
+    job); without one (etcd, an older coordinator) it polls. Either way its ranks hold every
+    configuration."""
+    from ftc10d.membership import Agreement, Member
+    from ftc10d.membership.records import Signer
+
+    with Coordinator(detect=False, notify=notify) as co, \
+            NodeAgent(co.membership_store(), heartbeat_timeout=1.0) as agent:
+        members = [Member(co.membership_store(), f"ftc10d/v1/test/{i}", expected=3, node_agent=agent.path).join()
+                   for i in range(3)]
+        try:
+            first = [m.wait_next(0, timeout=30) for m in members]
+            assert {c.epoch for c in first} == {first[0].epoch} and first[0].size == 3
+            hints_before = co._notifier.hints if notify else 0
+            out = Agreement(co.membership_store(), Signer(None)).report_exit(members[2].handle)
+            assert out.config is not None and out.config.size == 2
+            t0 = time.monotonic()
+            for m in members[:2]:
+                assert m.wait_next(first[0].epoch, timeout=10).epoch == out.config.epoch
+            took = time.monotonic() - t0
+            if notify:
+                assert co._notifier.connected >= 1 and co._notifier.hints > hints_before
+            assert took < 5, f"{took:.2f} s"
+        finally:
+            for m in members:
+                m.close()

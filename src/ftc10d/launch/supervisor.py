@@ -314,7 +314,7 @@ class Launcher:
         etcd = cfg.membership_endpoints is not None
         if cfg.coordinator is None:
             # With etcd, the coordinator store holds no membership to watch: members watch each other.
-            self._coordinator = Coordinator(cfg.host, cfg.port, token=token, detect=not etcd,
+            self._coordinator = Coordinator(cfg.host, cfg.port, token=token, detect=not etcd, notify=not etcd,
                                             heartbeat_timeout=cfg.heartbeat_timeout).start()
             host = self._coordinator.host
             connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host

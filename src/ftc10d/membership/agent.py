@@ -10,8 +10,9 @@ are alive to everyone who looks; when it stops, all of them lapse together.
 The agent does for the node what every rank did for itself:
 
 - **beat**: writes ``hb/<node>`` every ``heartbeat_interval`` (renews the etcd lease).
-- **watch**: waits for the next configuration slot -- one store poll per node,
-  not per rank -- and pushes each record to its workers over the local channel
+- **watch**: waits for the next configuration slot -- woken by the coordinator's
+  hint (:mod:`ftc10d.membership.notify`: one poll per job), else one store poll per
+  node, never one per rank -- and pushes each record to its workers over the local channel
   (:mod:`ftc10d.membership.local`); announces a store reconnection so that the
   workers look at its incarnation (a store that lost its state is re-formed).
 - **detect**: reads the heartbeats of its ``watchers`` ring successors among
@@ -44,9 +45,10 @@ from typing import Any, Optional
 from ftc10d.membership.agreement import KEY_START, Agreement, Configuration, cfg_key, hb_key, new_member_id, unit_of
 from ftc10d.membership.detector import LapseDetector
 from ftc10d.membership.local import FrameBuffer, b64, encode
+from ftc10d.membership.notify import NOTIFY_KEY, SAFETY_POLL_S, HintClient
 from ftc10d.membership.records import Signer
 from ftc10d.membership.store import MembershipStore
-from ftc10d.types import StoreUnavailableError
+from ftc10d.types import MembershipError, StoreUnavailableError
 
 logger = logging.getLogger("ftc10d")
 
@@ -90,6 +92,9 @@ class NodeAgent:
             every ``/ 40``, but a node's ring is the job's only store reads of heartbeats).
         watchers: how many ring successor *nodes* each agent watches.
         socket_dir: where the local channel's socket is created (default: a new temporary folder).
+        poll_interval: on a TCPStore, how often the next configuration slot is looked for (default
+            20 ms; etcd watches instead). One request per interval per node: the largest share of a
+            node's store load, traded against the latency of a new configuration.
     """
 
     def __init__(
@@ -102,12 +107,14 @@ class NodeAgent:
         watch_interval: Optional[float] = None,
         watchers: int = 2,
         socket_dir: Optional[str] = None,
+        poll_interval: Optional[float] = None,
     ) -> None:
         self.id = new_member_id()  # hex only: a rank's id is "<node>.<token>"
         self.heartbeat_timeout = heartbeat_timeout
         self.heartbeat_interval = heartbeat_interval or heartbeat_timeout / 10
         self.watch_interval = watch_interval or heartbeat_timeout / 20
         self.watchers = watchers
+        self.poll_interval = poll_interval
         self._signer = Signer(token)
         self._store = store
         self._own_dir = socket_dir is None
@@ -261,7 +268,11 @@ class NodeAgent:
 
     def _watch_loop(self) -> None:
         store = self._store.clone()
+        if self.poll_interval is not None and hasattr(store, "poll_interval"):
+            store.poll_interval = self.poll_interval
         ag = Agreement(store, self._signer)
+        hints: Optional[HintClient] = None
+        next_try = 0.0
         while not self._stop.is_set():
             try:
                 cur = self._cur
@@ -275,7 +286,22 @@ class NodeAgent:
                     self._take(latest, raw)
                     continue
                 ag.remember(cur)
-                raw = store.wait_for(cfg_key(cur.epoch + 1), WAIT_SLICE, self._stop)
+                if hints is None and store.kind == "tcp" and time.monotonic() >= next_try:
+                    next_try = time.monotonic() + WAIT_SLICE
+                    hints = self._connect_hints(store)
+                if hints is not None:
+                    # The coordinator polls for the whole job and hints us: one read per change,
+                    # and one per SAFETY_POLL_S in case a hint was lost.
+                    try:
+                        hints.wait(SAFETY_POLL_S)
+                    except OSError as exc:
+                        logger.info("membership: node agent %s lost the coordinator's hints (%s); polling", self.id, exc)
+                        hints.close()
+                        hints = None
+                        continue
+                    raw = store.get(cfg_key(cur.epoch + 1))
+                else:
+                    raw = store.wait_for(cfg_key(cur.epoch + 1), WAIT_SLICE, self._stop)
                 if raw is None or self._stop.is_set():
                     continue
                 nxt = ag.read_config(cur.epoch + 1, raw=raw)
@@ -288,7 +314,20 @@ class NodeAgent:
             except Exception:
                 logger.warning("membership: watcher of node agent %s failed", self.id, exc_info=True)
                 self._stop.wait(self.heartbeat_interval)
+        if hints is not None:
+            hints.close()
         store.close()
+
+    def _connect_hints(self, store: MembershipStore) -> Optional[HintClient]:
+        """The coordinator's notifier, if it runs one (its port is in the store)."""
+        try:
+            raw = store.get(NOTIFY_KEY)
+            if raw is None or not raw.isdigit():
+                return None
+            return HintClient(getattr(store, "host", "127.0.0.1"), int(raw))
+        except (MembershipError, StoreUnavailableError) as exc:
+            logger.info("membership: node agent %s polls for configurations: %s", self.id, exc)
+            return None
 
     def _take(self, cfg: Configuration, raw: Optional[bytes]) -> None:
         with self._lock:

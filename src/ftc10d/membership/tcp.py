@@ -95,12 +95,16 @@ class TCPMembershipStore(MembershipStore):
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.connection_epoch = 0
+        #: How often :meth:`wait_for` looks (a node agent of a very large job may look less often).
+        self.poll_interval = POLL_S
         self._client: Optional[dist.TCPStore] = None
         self._ever_connected = False
 
     def clone(self) -> "TCPMembershipStore":
-        return TCPMembershipStore(self.host, self.port, prefix=self.prefix, timeout=self.timeout,
+        twin = TCPMembershipStore(self.host, self.port, prefix=self.prefix, timeout=self.timeout,
                                   connect_timeout=self.connect_timeout)
+        twin.poll_interval = self.poll_interval
+        return twin
 
     def describe(self) -> str:
         return f"tcp://{self.host}:{self.port}/{self.prefix}"
@@ -237,9 +241,9 @@ class TCPMembershipStore(MembershipStore):
             if left <= 0:
                 return None
             if stop is not None:
-                stop.wait(min(POLL_S, left))
+                stop.wait(min(self.poll_interval, left))
             else:
-                time.sleep(min(POLL_S, left))
+                time.sleep(min(self.poll_interval, left))
 
     def close(self) -> None:
         self._client = None
@@ -258,6 +262,8 @@ class Coordinator:
     With ``detect`` it also watches every member's heartbeat and proposes the
     removal of those that lapse (the coordinator is an *authority*, not a
     member: its proposals still obey ``min_members`` and the majority rule).
+    With ``notify`` (default) it polls for each new configuration once for the
+    whole job and pushes a hint to the node agents (:mod:`ftc10d.membership.notify`).
     The pg's rendezvous may share the same store (``store``).
     """
 
@@ -272,8 +278,11 @@ class Coordinator:
         watch_interval: Optional[float] = None,
         prefix: str = DEFAULT_PREFIX,
         require_majority: bool = True,
+        notify: bool = True,
     ) -> None:
         self.host = host
+        self.notify = notify
+        self._notifier: Any = None
         self._port = port
         self.prefix = prefix
         self.signer = Signer(token)
@@ -295,6 +304,10 @@ class Coordinator:
             timeout=timedelta(seconds=60), master_listen_fd=sock.detach(),
         )
         logger.info("membership coordinator listening on %s:%d", self.host, self._port)
+        if self.notify:
+            from ftc10d.membership.notify import Notifier
+
+            self._notifier = Notifier(self.membership_store(), self.signer, self.host).start()
         if self.detect:
             self._thread = threading.Thread(target=self._detect_loop, name="ftc10d-coordinator", daemon=True)
             self._thread.start()
@@ -322,6 +335,9 @@ class Coordinator:
 
     def close(self) -> None:
         self._stop.set()
+        if self._notifier is not None:
+            self._notifier.close()
+            self._notifier = None
         if self._thread is not None:
             self._thread.join(5)
         self._master = None  # the server goes with its last reference

@@ -1,0 +1,311 @@
+"""Per-node membership at scale: many real node agents, their ranks on the real local channel.
+
+``--nodes`` real :class:`ftc10d.membership.NodeAgent`s (its own threads, its own store
+connections, the code ``ftc10d launch`` runs) spread over ``--procs`` processes, each with
+``--ranks`` simulated ranks connected to its Unix socket and speaking the real protocol
+(hello, heartbeats, configurations received). The store is a real coordinator TCPStore in
+its own process (``ftc10d coordinator --no-detect``: the agents' rings are the detection),
+or with ``--etcd`` a real single-member etcd.
+
+What is simulated, and how it differs from a real job: the ranks are not ``Member``
+objects (one per process would be 32,768 processes): each is a socket that heartbeats its
+agent every ``timeout / 4`` (a real rank: every ``timeout / 10``; local traffic only, the
+store never sees it) and timestamps each configuration pushed to it (a real rank then also
+checks its signature, ~10 us). Every rank is admitted through the real join path (its
+``mem/`` record, the join log, ``Agreement.propose_first``). Nothing of the agents is
+simplified: they poll, read their ring successors and heartbeat as they do under the launcher.
+
+Measured, each on the same clock (one host, ``time.monotonic``):
+
+- **steady state**: store requests/s (the agents' clients, ``requests_made``), per node;
+  the store process's CPU.
+- **a rank's exit**: the launcher's ``report_exit`` (confirmed removal), then the time until
+  each rank's socket received the next configuration: p50 / p99 / max over every rank.
+- **a node's silence**: one agent stops (its heartbeat stops; its ranks' link dies): the
+  time until every other rank received the configuration without its ranks.
+
+    python benchmarks/membership_scale.py --nodes 1024 --ranks 8 [--procs 8] [--timeout 1]
+        [--poll 0.02] [--etcd] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import selectors
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import client_store, dump_json, machine, percentile, start, table  # noqa: E402
+from benchmarks.membership import Etcd, _cpu_seconds, _free_port, _start_coordinator  # noqa: E402
+
+
+class RankSim:
+    """``ranks`` simulated ranks per agent, all on one selector thread."""
+
+    def __init__(self, agents: list[Any], ranks: int, beat_every: float) -> None:
+        from ftc10d.membership.local import FrameBuffer, encode
+
+        self._encode = encode
+        self.sel = selectors.DefaultSelector()
+        self.conns: list[tuple[socket.socket, str, Any]] = []
+        self.arrivals: dict[int, list[float]] = {}
+        self.by_node: dict[str, dict[int, int]] = {}  # node -> epoch -> ranks that got it
+        self.beat_every = beat_every
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        for agent in agents:
+            for j in range(ranks):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(agent.path)
+                s.sendall(encode({"op": "hello", "pid": os.getpid()}))
+                s.setblocking(False)
+                mid = f"{agent.id}.{j:04d}"
+                buf = FrameBuffer()
+                self.conns.append((s, mid, buf))
+                self.sel.register(s, selectors.EVENT_READ, (mid, buf))
+        self.n = 0
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        next_beat = time.monotonic()
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                self.n += 1
+                for s, mid, _ in self.conns:
+                    try:
+                        s.send(self._encode({"op": "beat", "n": self.n, "id": mid}))
+                    except OSError:
+                        pass
+                next_beat = now + self.beat_every
+            for key, _ in self.sel.select(timeout=max(0.0, min(0.05, next_beat - time.monotonic()))):
+                mid, buf = key.data
+                try:
+                    data = key.fileobj.recv(1 << 20)  # type: ignore[union-attr]
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    self.sel.unregister(key.fileobj)
+                    continue
+                t = time.monotonic()
+                for msg in buf.feed(data):
+                    if msg.get("op") == "cfg":
+                        with self._lock:
+                            self.arrivals.setdefault(msg["epoch"], []).append(t)
+                            node = mid.split(".")[0]
+                            per = self.by_node.setdefault(node, {})
+                            per[msg["epoch"]] = per.get(msg["epoch"], 0) + 1
+
+    def holding(self, epoch: int) -> int:
+        with self._lock:
+            return len(self.arrivals.get(epoch, []))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def sim_process(idx: int, nprocs: int, port: int, opts: dict[str, Any]) -> dict[str, Any]:
+    from ftc10d.membership import NodeAgent
+    from ftc10d.membership.tcp import requests_made
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    threading.stack_size(256 << 10)
+    control = client_store(port)
+    store = _store(opts)
+    k = opts["nodes"] // nprocs + (1 if idx < opts["nodes"] % nprocs else 0)
+    agents = [NodeAgent(store.clone(), heartbeat_timeout=opts["timeout"], poll_interval=opts["poll"]).start()
+              for _ in range(k)]
+    sim = RankSim(agents, opts["ranks"], opts["timeout"] / 4)
+    control.set(f"agents/{idx}", json.dumps([a.id for a in agents]))
+    last = 0
+    while not control.check(["stop"]):
+        # Report, every 50 ms: how many ranks here hold each epoch the harness asks about.
+        if control.check(["ask"]):
+            epoch = int(control.get("ask"))
+            control.set(f"holding/{idx}/{epoch}", str(sim.holding(epoch)))
+        if control.check(["silence"]) and not last:
+            victim = control.get("silence").decode()
+            for a in agents:
+                if a.id == victim:
+                    a._stop.set()  # the node goes silent: every thread of its agent stops, no lease revoked
+                    control.set("silenced", repr(time.monotonic()))
+            last = 1
+        if control.check(["window"]) and not control.check([f"window/{idx}"]):
+            n0, t0 = requests_made(), time.monotonic()
+            time.sleep(float(control.get("window")))
+            control.set(f"window/{idx}", json.dumps([requests_made() - n0, time.monotonic() - t0]))
+        time.sleep(0.05)
+    sim.stop()
+    arrivals = {e: list(ts) for e, ts in sim.arrivals.items()}
+    for a in agents:
+        a._stop.set()
+    return {"arrivals": arrivals, "by_node": sim.by_node}
+
+
+def _store(opts: dict[str, Any]) -> Any:
+    from ftc10d.membership import EtcdMembershipStore, TCPMembershipStore
+
+    if opts.get("etcd"):
+        return EtcdMembershipStore(opts["etcd"], prefix=opts["prefix"])
+    return TCPMembershipStore("127.0.0.1", opts["store_port"])
+
+
+def _wait(control: Any, keys: list[str], timeout: float) -> None:
+    control.wait(keys, timedelta(seconds=timeout))
+
+
+def _holding(control: Any, procs: int, epoch: int, want: int, timeout: float) -> int:
+    control.set("ask", str(epoch))
+    deadline = time.monotonic() + timeout
+    total = 0
+    while time.monotonic() < deadline:
+        total = 0
+        for i in range(procs):
+            key = f"holding/{i}/{epoch}"
+            if control.check([key]):
+                total += int(control.get(key))
+        if total >= want:
+            return total
+        time.sleep(0.2)
+    return total
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from ftc10d.membership import Agreement, MemberInfo, Signer
+    from ftc10d.membership.agreement import mem_key
+
+    opts: dict[str, Any] = {"nodes": args.nodes, "ranks": args.ranks, "timeout": args.timeout, "poll": args.poll}
+    coord = etcd = None
+    if args.etcd:
+        etcd = Etcd()
+        opts["etcd"] = [etcd.endpoint]
+        opts["prefix"] = f"/sim{time.monotonic_ns()}/"
+        store_pid = etcd.proc.pid
+    else:
+        opts["store_port"] = _free_port()
+        coord = _start_coordinator(opts["store_port"], detect=False)
+        store_pid = coord.pid
+    job = None
+    try:
+        job = start(sim_process, args.procs, opts)
+        control = job.store
+        _wait(control, [f"agents/{i}" for i in range(args.procs)], 600)
+        nodes = [n for i in range(args.procs) for n in json.loads(control.get(f"agents/{i}"))]
+        # Admission through the real join path: records, join log, then the first configuration.
+        store = _store(opts)
+        signer = Signer(None)
+        t_join = time.monotonic()
+        handles = {}
+        for node in nodes:
+            for j in range(args.ranks):
+                mid = f"{node}.{j:04d}"
+                handles[mid] = f"ftc10d/v1/sim/{node}/{j}"
+                info = MemberInfo(id=mid, handle=handles[mid], host="sim", pid=0)
+                store.put(mem_key(mid), signer.encode(mem_key(mid), info.to_body()))
+                store.append_join(mid)
+        size = len(handles)
+        ag = Agreement(store, signer, expected=size)
+        out = ag.propose_first(reason="simulation")
+        if out.config is None:
+            raise RuntimeError(f"no first configuration: {out.blocked}")
+        e0 = out.config.epoch
+        got = _holding(control, args.procs, e0, size, 600)
+        formed_s = time.monotonic() - t_join
+        if got < size:
+            raise RuntimeError(f"only {got} of {size} ranks hold the first configuration")
+        # Steady state.
+        time.sleep(2.0)
+        cpu0, w0 = _cpu_seconds(store_pid), time.monotonic()
+        control.set("window", str(args.window))
+        _wait(control, [f"window/{i}" for i in range(args.procs)], args.window + 120)
+        store_cpu = (_cpu_seconds(store_pid) - cpu0) / (time.monotonic() - w0)
+        reqs = [json.loads(control.get(f"window/{i}")) for i in range(args.procs)]
+        rate = sum(n / t for n, t in reqs)
+        # A rank's exit, reported as the launcher does.
+        victim = f"{nodes[len(nodes) // 2]}.0003"
+        t_exit = time.monotonic()
+        rep = Agreement(_store(opts), signer).report_exit(handles[victim])
+        report_ms = (time.monotonic() - t_exit) * 1e3
+        e1 = rep.config.epoch if rep.config is not None else e0 + 1
+        _holding(control, args.procs, e1, size, 120)
+        # A node's silence.
+        silent = nodes[len(nodes) // 3]
+        control.set("silence", silent)
+        _wait(control, ["silenced"], 60)
+        t_silent = float(control.get("silenced"))
+        e2 = e1 + 1
+        _holding(control, args.procs, e2, size - 1 - args.ranks, args.timeout * 10 + 120)
+        time.sleep(1.0)
+        control.set("stop", "1")
+        res = job.collect(timeout=600)
+    finally:
+        if job is not None:
+            job.close()
+        if coord is not None:
+            coord.kill()
+            coord.wait()
+        if etcd is not None:
+            etcd.stop()
+    exit_lat = sorted((t - t_exit) * 1e3 for r in res.values() for t in r["arrivals"].get(str(e1), r["arrivals"].get(e1, [])))
+    silence_lat = sorted((t - t_silent) * 1e3 for r in res.values()
+                         for t in r["arrivals"].get(str(e2), r["arrivals"].get(e2, [])))
+    return {
+        "nodes": args.nodes, "ranks": size, "store": "etcd" if args.etcd else "tcp", "timeout": args.timeout,
+        "poll": args.poll, "formed_s": formed_s, "requests_per_s": rate, "per_node": rate / args.nodes,
+        "store_cpu": store_cpu, "report_ms": report_ms,
+        "exit_p50": percentile(exit_lat, 50), "exit_p99": percentile(exit_lat, 99), "exit_max": max(exit_lat),
+        "exit_n": len(exit_lat),
+        "silence_p50": percentile(silence_lat, 50) if silence_lat else None,
+        "silence_p99": percentile(silence_lat, 99) if silence_lat else None,
+        "silence_first": silence_lat[0] if silence_lat else None,
+        "silence_n": len(silence_lat),
+    }
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=256)
+    ap.add_argument("--ranks", type=int, default=8, help="ranks per node")
+    ap.add_argument("--procs", type=int, default=4, help="processes hosting the agents")
+    ap.add_argument("--timeout", type=float, default=1.0, help="heartbeat timeout (s)")
+    ap.add_argument("--poll", type=float, default=0.02, help="the agents' poll of the next configuration (TCPStore)")
+    ap.add_argument("--window", type=float, default=5.0, help="seconds of steady state measured")
+    ap.add_argument("--etcd", action="store_true", help="a single-member etcd instead of the TCPStore")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    r = run(args)
+    print(f"{args.nodes} node agents x {args.ranks} ranks ({r['ranks']} ranks), {r['store']} store, heartbeat "
+          f"timeout {args.timeout:g} s, poll {args.poll * 1e3:g} ms, {args.procs} processes; {machine()}")
+    rows = [
+        ["first configuration formed (all ranks hold it)", f"{r['formed_s']:.1f} s"],
+        ["store requests/s, steady state (per node)", f"{r['requests_per_s']:.0f} ({r['per_node']:.1f})"],
+        ["store process CPU, steady state", f"{r['store_cpu'] * 100:.0f}% of a core"],
+        ["a rank's exit: report_exit agreed", f"{r['report_ms']:.0f} ms"],
+        [f"  -> every rank holds it: p50 / p99 / max ({r['exit_n']} ranks)",
+         f"{r['exit_p50']:.0f} / {r['exit_p99']:.0f} / {r['exit_max']:.0f} ms"],
+        [f"a node's silence -> every other rank holds its removal: first / p50 / p99 ({r['silence_n']})",
+         "n/a" if r["silence_p50"] is None else
+         f"{r['silence_first']:.0f} / {r['silence_p50']:.0f} / {r['silence_p99']:.0f} ms"],
+    ]
+    print(table(["", "measured"], rows))
+    dump_json(args.json, r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

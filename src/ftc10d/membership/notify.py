@@ -1,0 +1,202 @@
+"""New-configuration hints from the coordinator to the node agents: one poller per job.
+
+On a TCPStore, a waiter learns of ``cfg/<e+1>`` by polling it (``check`` every
+20 ms: TCPStore's server-pushed ``wait`` logs warnings on every timeout, see
+``TCPMembershipStore.wait_for``). With one waiter per node that is 50 requests
+per second per node, most of a node agent's store load, and a store of 4,096
+nodes would serve 200,000 polls a second for nothing. The coordinator hosts the
+store, so it polls once for everyone (:class:`Notifier`) and pushes a *hint*,
+``{"op": "hint", "epoch": e}``, to every agent connected to it; an agent then
+reads ``cfg/<e>`` from the store (one request per change per node) and verifies
+it as it would any record. A hint is only a wake-up: a forged or lost one costs
+a read or up to ``SAFETY_POLL_S`` of latency, never a wrong configuration (the
+record is signed), and nothing read here is unpickled.
+
+The notifier's port is published in the store (``notify``, under the membership
+prefix); an agent that finds none (etcd: its watches push already; an older
+coordinator) polls as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import socket
+import threading
+import time
+from typing import Any, Optional
+
+from ftc10d.membership.agreement import cfg_key
+from ftc10d.membership.local import FrameBuffer, encode
+from ftc10d.types import MembershipError, StoreUnavailableError
+
+logger = logging.getLogger("ftc10d")
+
+#: Key (under the membership prefix) holding the notifier's port.
+NOTIFY_KEY = "notify"
+#: A hinted agent still looks for the next configuration this often (a lost hint, a dead notifier).
+SAFETY_POLL_S = 1.0
+#: Bytes a slow agent may have waiting before the notifier drops its connection (it reconnects).
+MAX_BACKLOG = 1 << 16
+
+
+class Notifier:
+    """The coordinator's side: polls ``cfg/<e+1>`` and pushes a hint to every connected agent.
+
+    ``store``: a ``TCPMembershipStore`` of the coordinator's own (the notifier's thread owns it);
+    ``signer``: the job's (the chain's first record is found through verified records);
+    ``host``: the address to listen on (the coordinator's).
+    """
+
+    def __init__(self, store: Any, signer: Any, host: str, poll_interval: float = 0.02) -> None:
+        from ftc10d.membership.agreement import Agreement
+
+        self._store = store
+        self._agreement = Agreement(store, signer)
+        self.poll_interval = poll_interval
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 0))
+        self._sock.listen(4096)
+        self._sock.setblocking(False)
+        self.port = self._sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._conns: dict[int, tuple[socket.socket, bytearray]] = {}
+        self.hints = 0
+        self._thread = threading.Thread(target=self._loop, name="ftc10d-notifier", daemon=True)
+
+    def start(self) -> "Notifier":
+        self._store.put(NOTIFY_KEY, str(self.port).encode())
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
+        for s, _ in self._conns.values():
+            s.close()
+        self._conns.clear()
+        self._sock.close()
+
+    @property
+    def connected(self) -> int:
+        return len(self._conns)
+
+    def _loop(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ, None)
+        epoch: Optional[int] = None
+        next_poll = 0.0
+        try:
+            while not self._stop.is_set():
+                for key, _ in sel.select(timeout=max(0.0, next_poll - time.monotonic())):
+                    if key.data is None:
+                        self._accept(sel)
+                    else:
+                        self._drain(sel, key.fileobj)  # type: ignore[arg-type]
+                if time.monotonic() < next_poll:
+                    continue
+                # Before the first configuration, look for it less often (several reads each time).
+                next_poll = time.monotonic() + (self.poll_interval if epoch is not None else 5 * self.poll_interval)
+                try:
+                    epoch = self._advance(epoch)
+                except StoreUnavailableError:
+                    epoch = None
+                except Exception:
+                    logger.warning("membership notifier: a poll failed", exc_info=True)
+                    epoch = None
+        finally:
+            sel.close()
+            self._store.close()
+
+    def _advance(self, epoch: Optional[int]) -> Optional[int]:
+        if epoch is None:
+            top = self._top()
+            if top is None:
+                return None
+            epoch = top
+            self._broadcast(epoch)
+        while self._store.exists(cfg_key(epoch + 1)):
+            epoch += 1
+            self._broadcast(epoch)
+        return epoch
+
+    def _top(self) -> Optional[int]:
+        """The newest configuration's epoch now (None before the first)."""
+        latest = self._agreement.latest()
+        return None if latest is None else latest.epoch
+
+    def _broadcast(self, epoch: int) -> None:
+        frame = encode({"op": "hint", "epoch": epoch})
+        self.hints += 1
+        for fd, (s, backlog) in list(self._conns.items()):
+            try:
+                if backlog:
+                    backlog += frame
+                    n = s.send(backlog)
+                    del backlog[:n]
+                else:
+                    n = s.send(frame)
+                    if n < len(frame):
+                        backlog += frame[n:]
+                if len(backlog) > MAX_BACKLOG:
+                    raise OSError("backlog")
+            except (BlockingIOError, InterruptedError):
+                backlog += frame
+            except OSError:
+                self._conns.pop(fd, None)
+                s.close()
+
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        while True:
+            try:
+                s, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            s.setblocking(False)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._conns[s.fileno()] = (s, bytearray())
+            sel.register(s, selectors.EVENT_READ, s.fileno())
+
+    def _drain(self, sel: selectors.BaseSelector, s: socket.socket) -> None:
+        try:
+            data = s.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # agents send nothing: readable means closed
+            sel.unregister(s)
+            self._conns.pop(s.fileno(), None)
+            s.close()
+
+
+class HintClient:
+    """An agent's connection to the notifier; :meth:`wait` returns the newest hinted epoch."""
+
+    def __init__(self, host: str, port: int, timeout: float = 5.0) -> None:
+        try:
+            self._sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise MembershipError(f"cannot reach the coordinator's notifier at {host}:{port}: {exc}") from None
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._frames = FrameBuffer()
+
+    def wait(self, timeout: float) -> Optional[int]:
+        """The highest epoch hinted within ``timeout`` (None: none). Raises OSError when the
+        connection is gone."""
+        self._sock.settimeout(max(timeout, 0.001))
+        try:
+            data = self._sock.recv(65536)
+        except socket.timeout:
+            return None
+        if not data:
+            raise OSError("the notifier closed the connection")
+        epochs = [m["epoch"] for m in self._frames.feed(data) if m.get("op") == "hint" and isinstance(m.get("epoch"), int)]
+        return max(epochs) if epochs else None
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
