@@ -261,7 +261,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             coord.wait()
         if etcd is not None:
             etcd.stop()
-    exit_lat = sorted((t - t_exit) * 1e3 for r in res.values() for t in r["arrivals"].get(str(e1), r["arrivals"].get(e1, [])))
+    exit_lat = sorted((t - t_exit) * 1e3 for r in res.values()
+                      for t in r["arrivals"].get(str(e1), r["arrivals"].get(e1, [])))
     silence_lat = sorted((t - t_silent) * 1e3 for r in res.values()
                          for t in r["arrivals"].get(str(e2), r["arrivals"].get(e2, [])))
     return {

@@ -295,7 +295,8 @@ class NodeAgent:
                     try:
                         hints.wait(SAFETY_POLL_S)
                     except OSError as exc:
-                        logger.info("membership: node agent %s lost the coordinator's hints (%s); polling", self.id, exc)
+                        logger.info("membership: node agent %s lost the coordinator's hints (%s); polling",
+                                    self.id, exc)
                         hints.close()
                         hints = None
                         continue

@@ -192,7 +192,8 @@ class HintClient:
             return None
         if not data:
             raise OSError("the notifier closed the connection")
-        epochs = [m["epoch"] for m in self._frames.feed(data) if m.get("op") == "hint" and isinstance(m.get("epoch"), int)]
+        msgs = self._frames.feed(data)
+        epochs = [m["epoch"] for m in msgs if m.get("op") == "hint" and isinstance(m.get("epoch"), int)]
         return max(epochs) if epochs else None
 
     def close(self) -> None:
