@@ -21,6 +21,7 @@ interpreter exit if something cut the trial's own cleanup short).
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import os
 import shutil
@@ -28,10 +29,12 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable, Optional
 
 logger = logging.getLogger("ftc10d")
 
 _counter = 0
+_CLONE_NEWNET = 0x40000000
 
 
 def available() -> tuple[bool, str]:
@@ -119,6 +122,25 @@ class Hosts:
         path.write_text(f"#!/bin/sh\nexec ip netns exec {self.ns[host]} {sys.executable} \"$@\"\n")
         path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
         return str(path)
+
+    def thread_entry(self, host: int) -> Optional[Callable[[], None]]:
+        """A function that moves the *calling thread* into host ``host``'s network namespace
+        (``setns`` is per thread): the launcher's node agent of that host speaks for workers
+        that live there, and must be cut off with them. None for host 0 (the root namespace)."""
+        if host == 0:
+            return None
+        path = f"/var/run/netns/{self.ns[host]}"
+
+        def enter() -> None:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if libc.setns(fd, _CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns({path}) failed")
+            finally:
+                os.close(fd)
+
+        return enter
 
     def cut(self, host: int) -> None:
         """Take host ``host``'s link down: a real partition of its workers from everyone else."""

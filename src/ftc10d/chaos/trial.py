@@ -175,7 +175,7 @@ class Trial:
                 heartbeat_timeout=self.spec.heartbeat_timeout, min_members=min(MIN_MEMBERS, len(slots)), env=env,
                 log_dir=str(self.folder / "logs" / f"host{host}"), python=self.net.python_for(host, self.folder),
             )
-            launcher = Launcher(cfg, on_event=self._on_launch_event)
+            launcher = Launcher(cfg, on_event=self._on_launch_event, agent_thread_init=self.net.thread_entry(host))
             launcher.start()
             self.launchers.append(launcher)
             address = launcher.coordinator_address if address is None else address

@@ -160,9 +160,12 @@ class Launcher:
     manager, or ``start()`` ... ``wait()`` ... ``close()``.
     """
 
-    def __init__(self, config: LaunchConfig, on_event: Optional[EventCallback] = None) -> None:
+    def __init__(self, config: LaunchConfig, on_event: Optional[EventCallback] = None, *,
+                 agent_thread_init: Optional[Callable[[], None]] = None) -> None:
         self.config = config
         self.on_event = on_event
+        #: Run first by each thread of the node agent (``NodeAgent(thread_init=)``).
+        self.agent_thread_init = agent_thread_init
         self.grace = DEFAULT_GRACE_S
         self._launch_id = uuid_mod.uuid4().hex[:12]
         self._coordinator: Any = None
@@ -336,8 +339,8 @@ class Launcher:
         if cfg.membership_unit == "node":
             from ftc10d.membership.agent import NodeAgent
 
-            self._agent = NodeAgent(self.membership_store(), token=token,
-                                    heartbeat_timeout=cfg.heartbeat_timeout).start()
+            self._agent = NodeAgent(self.membership_store(), token=token, heartbeat_timeout=cfg.heartbeat_timeout,
+                                    thread_init=self.agent_thread_init).start()
 
     def _agree_prefix(self) -> str:
         """The job's etcd key prefix: the first launcher to ask proposes one of its own, the

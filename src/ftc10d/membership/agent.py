@@ -40,7 +40,7 @@ import socket
 import tempfile
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ftc10d.membership.agreement import KEY_START, Agreement, Configuration, cfg_key, hb_key, new_member_id, unit_of
 from ftc10d.membership.detector import LapseDetector
@@ -95,6 +95,8 @@ class NodeAgent:
         poll_interval: on a TCPStore, how often the next configuration slot is looked for (default
             20 ms; etcd watches instead). One request per interval per node: the largest share of a
             node's store load, traded against the latency of a new configuration.
+        thread_init: run first by each of the agent's threads (``ftc10d chaos --hosts`` puts
+            them in their host's network namespace, where the workers they speak for live).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class NodeAgent:
         watchers: int = 2,
         socket_dir: Optional[str] = None,
         poll_interval: Optional[float] = None,
+        thread_init: Optional[Callable[[], None]] = None,
     ) -> None:
         self.id = new_member_id()  # hex only: a rank's id is "<node>.<token>"
         self.heartbeat_timeout = heartbeat_timeout
@@ -115,6 +118,7 @@ class NodeAgent:
         self.watch_interval = watch_interval or heartbeat_timeout / 20
         self.watchers = watchers
         self.poll_interval = poll_interval
+        self._thread_init = thread_init
         self._signer = Signer(token)
         self._store = store
         self._own_dir = socket_dir is None
@@ -202,6 +206,8 @@ class NodeAgent:
 
     def _guard(self, fn: Any) -> None:
         try:
+            if self._thread_init is not None:
+                self._thread_init()
             fn()
         except Exception:
             logger.exception("membership: %s thread of node agent %s died", threading.current_thread().name, self.id)

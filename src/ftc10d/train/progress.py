@@ -94,7 +94,9 @@ class Reporter:
     ``interval`` seconds, from a daemon thread (started at the first note): it keeps the
     recorded ``reached`` close to the job's real progress for the messages of JobFinished and
     StateLostError, at the cost of one assignment per step. Best effort: correctness rests on
-    the record before each configuration's first commit, not on this."""
+    the record before each configuration's first commit, not on this. Only the configuration's
+    first member writes (every rank commits the same steps): the store sees one reporter per
+    job, not one per rank (issue 28)."""
 
     def __init__(self, member: Any, interval: float = 1.0) -> None:
         self.member = member  # the Manager swaps it when it rejoins
@@ -122,6 +124,9 @@ class Reporter:
                 ident = self._latest
                 if ident is None or ident == self._written:
                     continue
+                cur = self.member._current
+                if cur is None or not cur.members or cur.members[0] != self.member.id:
+                    continue  # one reporter per job (the configuration's first member), not one per rank
                 try:
                     self.member.merge_fact(FACT, {"reached": list(ident)}, merge, store=store)
                     self._written = ident
