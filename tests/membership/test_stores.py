@@ -41,15 +41,23 @@ def _start_coordinator(port: int) -> subprocess.Popen:
     raise RuntimeError("the coordinator did not start listening")
 
 
-def test_coordinator_restart_reforms_with_fresh_uuid() -> None:
+@pytest.mark.parametrize("unit", ["rank", "node"])
+def test_coordinator_restart_reforms_with_fresh_uuid(unit: str) -> None:
     """The TCPStore keeps its state in memory: when `ftc10d coordinator` is killed and
     restarted, the members notice the new incarnation, rejoin under their ids and
     re-form the same membership with a fresh uuid; their ProcessGroups (whose store
-    reconnects too) reconfigure onto it and carry on."""
+    reconnects too) reconfigure onto it and carry on. ``node``: the ranks go through a node
+    agent, which sees the restart and tells them to look at the store's incarnation."""
+    from ftc10d.membership import NodeAgent, TCPMembershipStore
+
     port = free_port("127.0.0.1")
     coord = _start_coordinator(port)
     spec = {"kind": "tcp", "host": "127.0.0.1", "port": port}
-    job = harness.start(pg_worker, 3, spec, {"expected": 3, "pg_store": "coordinator"})
+    agent = NodeAgent(TCPMembershipStore("127.0.0.1", port)).start() if unit == "node" else None
+    opts: dict[str, Any] = {"expected": 3, "pg_store": "coordinator"}
+    if agent is not None:
+        opts["agents"] = {str(r): agent.path for r in range(3)}
+    job = harness.start(pg_worker, 3, spec, opts)
     try:
         st = wait_states(job.store, [0, 1, 2], lambda s: same_config(s, 3, min_steps=3), 60, "3 ranks running")
         before_uuid, before_epoch = st[0]["uuid"], st[0]["epoch"]
@@ -66,6 +74,8 @@ def test_coordinator_restart_reforms_with_fresh_uuid() -> None:
         results = job.collect(timeout=60)
     finally:
         job.close()
+        if agent is not None:
+            agent.close()
         if coord.poll() is None:
             os.killpg(coord.pid, signal.SIGKILL)
             coord.wait(10)

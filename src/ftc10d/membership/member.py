@@ -858,14 +858,18 @@ class Member:
                             continue
                     else:
                         raw = store.wait_for(cfg_key(cur.epoch + 1), WAIT_SLICE, self._stop)
-                    self._reachable()
+                        self._reachable()
                     if raw is None or not self._running():
                         continue
                     nxt = ag.read_config(cur.epoch + 1, raw=raw)
                     if nxt is None:
                         self._stop.wait(self.heartbeat_interval)  # a bad record: wait for a proposer to replace it
                         continue
-                    self._adopt(nxt)
+                    if not self._adopt(nxt) and link is not None and nxt.incarnation != self._inc:
+                        # Pushed from a store that lost its state before the agent's word of it came:
+                        # look at the incarnation now rather than take the same record again and again.
+                        self._check_incarnation(ag)
+                        self._stop.wait(self.heartbeat_interval)
                     continue
                 # Joining or re-forming: look for the newest configuration of this incarnation.
                 latest = ag.latest()
