@@ -11,7 +11,9 @@ Configurations form a chain in the store, one slot per epoch::
     pending/<epoch>     removals on top of <epoch> that could not be agreed yet, and why
                         (each entry fades unless refreshed by a proposer that still holds it)
     mem/<id>            a member's record: handle, host, pid, last epoch/rank (leased)
-    hb/<id>             its heartbeat counter (leased)
+    hb/<unit>           the heartbeat counter of a member, or of its node agent for the
+                        ranks under one (ids ``<node>.<token>``: :func:`unit_of`) (leased)
+    notify              the coordinator's notifier port (TCPStore; ``notify.py``)
     joins               the join log (TCPStore: one appended line per join; etcd: join/<id> keys)
 
 Anyone may *propose* the next configuration: a member whose detector saw a

@@ -773,7 +773,9 @@ class Member:
                 break
             now = time.monotonic()
             if now >= next_t:
-                next_t = max(next_t + self.watch_interval, now)
+                # Without a ring to read (a node agent watches for us) only reports wake us: they come
+                # through the queue at once; the tick is left for retries of a blocked proposal.
+                next_t = max(next_t + (self.watch_interval if self.watchers > 0 else self.heartbeat_interval), now)
             try:
                 if store.connection_epoch != conn:
                     conn = store.connection_epoch
