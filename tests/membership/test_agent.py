@@ -25,8 +25,8 @@ from ftc10d.membership.agreement import hb_key, unit_of
 from ftc10d.membership.local import FrameBuffer, NodeLink, encode
 from ftc10d.types import MembershipError
 from tests import harness
-from tests.membership.conftest import same_config, tcp_spec, wait_states
-from tests.membership.workers import pg_worker
+from tests.membership.conftest import etcd_spec, needs_etcd, same_config, tcp_spec, wait_states
+from tests.membership.workers import make_store, pg_worker
 
 AGENT = """
 import json, sys
@@ -193,3 +193,27 @@ def test_an_agent_learns_each_configuration_from_the_coordinators_hint_or_by_pol
         finally:
             for m in members:
                 m.close()
+
+
+@needs_etcd
+def test_on_etcd_the_ranks_records_ride_on_the_nodes_lease(etcd1: Any) -> None:
+    """etcd: a rank's leased records (its member record, its join) are on its node agent's lease,
+    which the agent renews: a rank that joined long before the last one is still there when the
+    first configuration forms (ranks renew no lease of their own), and the job then goes on
+    through the loss of a rank."""
+    spec = etcd_spec(etcd1)
+    with NodeAgent(make_store(spec), heartbeat_timeout=1.0) as agent:
+        opts = {"expected": 3, "agents": {str(r): agent.path for r in range(3)}, "hold": {"2": "test/late"}}
+        job = harness.start(pg_worker, 3, spec, opts)
+        try:
+            time.sleep(5.0)  # past the 3-s lease of ranks 0 and 1, had they one of their own
+            job.store.set("test/late", "1")
+            st = wait_states(job.store, [0, 1, 2], lambda s: same_config(s, 3, min_steps=3), 60, "3 ranks running")
+            assert {unit_of(s["member"]) for s in st.values()} == {agent.id}
+            before = st[0]["uuid"]
+            job.signal(1, signal.SIGKILL)
+            wait_states(job.store, [0, 2], lambda s: same_config(s, 2, not_uuid=before), 30, "the survivors")
+            job.store.set("test/stop", "1")
+            job.collect([0, 2], timeout=60)
+        finally:
+            job.close()

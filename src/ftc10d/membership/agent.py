@@ -54,6 +54,8 @@ logger = logging.getLogger("ftc10d")
 
 #: How long the watch thread waits for the next configuration before looking around.
 WAIT_SLICE = 5.0
+#: Bytes a worker may leave unread (it is frozen) before its link is dropped (it then watches the store).
+MAX_BACKLOG = 64 << 20
 
 
 def node_ring(cfg: Configuration, node: str, k: int) -> list[str]:
@@ -134,6 +136,7 @@ class NodeAgent:
         self._cur_raw: Optional[bytes] = None
         self._inc: Optional[str] = None
         self._store_ok_at = 0.0
+        self._lease: Optional[int] = None
         self._beat_gap_at = time.monotonic()
         self._last_seen: dict[str, float] = {}  # local member id -> when its last local beat came
         self.proposals = 0  # removals this agent proposed (tests, benchmarks)
@@ -143,13 +146,21 @@ class NodeAgent:
     def start(self) -> "NodeAgent":
         """Bind the local channel and start the threads; the first heartbeat is written
         before this returns (a worker's join is admitted only if its node heartbeats)."""
+        self._wake_w.setblocking(False)
         lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        lst.bind(self.path)
-        os.chmod(self.path, 0o600)
-        lst.listen(1024)
-        lst.setblocking(False)
-        self._listener = lst
-        self._beat_once(self._store, 1)
+        try:
+            lst.bind(self.path)
+            os.chmod(self.path, 0o600)
+            lst.listen(1024)
+            lst.setblocking(False)
+            self._listener = lst
+            # On etcd, the ranks' leased records ride on the node's lease: they vanish with it.
+            self._lease = self._store.lease()
+            self._beat_once(self._store, 1)
+        except BaseException:
+            self._stop.set()
+            self._cleanup()
+            raise
         for name, fn in (("beat", self._beat_loop), ("watch", self._watch_loop),
                          ("detect", self._detect_loop), ("io", self._io_loop)):
             t = threading.Thread(target=self._guard, args=(fn,), name=f"ftc10d-node-{name}", daemon=True)
@@ -177,6 +188,13 @@ class NodeAgent:
         self._wake()
         for t in self._threads:
             t.join(2.0)
+        self._cleanup()
+        try:
+            self._store.revoke()
+        except Exception:
+            logger.debug("lease revoke failed", exc_info=True)
+
+    def _cleanup(self) -> None:
         for fd in (self._listener, self._wake_r, self._wake_w):
             if fd is not None:
                 fd.close()
@@ -184,10 +202,6 @@ class NodeAgent:
             for c in self._conns.values():
                 c.sock.close()
             self._conns.clear()
-        try:
-            self._store.revoke()
-        except Exception:
-            logger.debug("lease revoke failed", exc_info=True)
         if self._own_dir:
             shutil.rmtree(self._dir, ignore_errors=True)
         else:
@@ -210,7 +224,12 @@ class NodeAgent:
                 self._thread_init()
             fn()
         except Exception:
-            logger.exception("membership: %s thread of node agent %s died", threading.current_thread().name, self.id)
+            # Half an agent is worse than none (say, links no one reads while the detector removes
+            # their silent ranks): stop it all; the node's heartbeat stops and the others remove it.
+            logger.exception("membership: %s thread of node agent %s died; the agent stops",
+                             threading.current_thread().name, self.id)
+            self._stop.set()
+            self._wake()
 
     def _wake(self) -> None:
         try:
@@ -250,11 +269,13 @@ class NodeAgent:
                     store.keepalive()
                     last_keepalive = now
                 if store.connection_epoch != conn:
-                    conn = store.connection_epoch
                     inc = ag.incarnation(create=False)
+                    conn = store.connection_epoch  # only once the incarnation was read
                     logger.warning("membership: node agent %s reconnected to the store (incarnation %s)", self.id, inc)
-                    if inc != self._inc:
-                        self._cur = None  # the watch thread reads this incarnation's chain
+                    with self._lock:
+                        if inc != self._inc:
+                            self._inc = inc
+                            self._cur = None  # the watch thread reads this incarnation's chain
                     self._broadcast({"op": "inc"})
                 prev_ok = time.monotonic()
             except StoreUnavailableError as exc:
@@ -278,12 +299,14 @@ class NodeAgent:
             store.poll_interval = self.poll_interval
         ag = Agreement(store, self._signer)
         hints: Optional[HintClient] = None
+        hinted = 0  # the highest epoch hinted (several may come in one read)
         next_try = 0.0
         while not self._stop.is_set():
             try:
                 cur = self._cur
                 if cur is None:
-                    self._inc = ag.incarnation(create=False)
+                    with self._lock:
+                        self._inc = ag.incarnation(create=False)
                     latest = ag.latest()
                     if latest is None:
                         store.wait_for(KEY_START, min(WAIT_SLICE, self.heartbeat_timeout), self._stop)
@@ -299,7 +322,8 @@ class NodeAgent:
                     # The coordinator polls for the whole job and hints us: one read per change,
                     # and one per SAFETY_POLL_S in case a hint was lost.
                     try:
-                        hints.wait(SAFETY_POLL_S)
+                        if hinted <= cur.epoch:
+                            hinted = max(hinted, hints.wait(SAFETY_POLL_S) or 0)
                     except OSError as exc:
                         logger.info("membership: node agent %s lost the coordinator's hints (%s); polling",
                                     self.id, exc)
@@ -307,6 +331,8 @@ class NodeAgent:
                         hints = None
                         continue
                     raw = store.get(cfg_key(cur.epoch + 1))
+                    if raw is None:
+                        hinted = min(hinted, cur.epoch)  # a hint of another incarnation, or a forged one
                 else:
                     raw = store.wait_for(cfg_key(cur.epoch + 1), WAIT_SLICE, self._stop)
                 if raw is None or self._stop.is_set():
@@ -338,6 +364,8 @@ class NodeAgent:
 
     def _take(self, cfg: Configuration, raw: Optional[bytes]) -> None:
         with self._lock:
+            if self._inc is not None and cfg.incarnation != self._inc:
+                return  # a record of the store's state before it was lost (a late read)
             if self._cur is not None and self._cur.incarnation == cfg.incarnation and cfg.epoch <= self._cur.epoch:
                 return
             self._cur = cfg
@@ -481,7 +509,7 @@ class NodeAgent:
             op = msg.get("op")
             if op == "hello":
                 conn.pid = int(msg["pid"]) if isinstance(msg.get("pid"), int) else 0
-                replies += encode({"op": "welcome", "node": self.id})
+                replies += encode({"op": "welcome", "node": self.id, "lease": self._lease})
             elif op == "beat" and isinstance(msg.get("id"), str) and isinstance(msg.get("n"), int):
                 mid = msg["id"]
                 if unit_of(mid) != self.id:
@@ -509,10 +537,16 @@ class NodeAgent:
 
     def _flush(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
         with self._lock:
-            if not conn.out:
-                data = b""
+            if len(conn.out) > MAX_BACKLOG:
+                logger.warning("membership: node agent %s drops the link of %s (pid %d): %d bytes unread",
+                               self.id, conn.member, conn.pid, len(conn.out))
+                conn.out.clear()
+                data = None
             else:
-                data = bytes(conn.out)
+                data = bytes(conn.out[:1 << 20])
+        if data is None:
+            self._drop(sel, conn)
+            return
         sent = 0
         if data:
             try:

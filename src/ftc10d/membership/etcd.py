@@ -76,6 +76,7 @@ class _Lease:
         self.ttl = ttl
         self.id: Optional[int] = None
         self.lost = False
+        self.borrowed = False  # another process's (a node agent's): never renewed nor revoked here
         self.lock = threading.Lock()
 
 
@@ -162,15 +163,24 @@ class EtcdMembershipStore(MembershipStore):
                 logger.debug("etcd lease %x granted (ttl %s s)", lease.id, out.get("TTL"))
             return lease.id
 
+    def lease(self) -> Optional[int]:
+        return self._lease_id()
+
+    def borrow_lease(self, lease_id: int) -> None:
+        with self._lease.lock:
+            self._lease.id = int(lease_id)
+            self._lease.borrowed = True
+
     def _regrant(self) -> int:
         with self._lease.lock:
             self._lease.id = None
             self._lease.lost = True
+            self._lease.borrowed = False
         logger.warning("membership: etcd lease expired; granting a new one")
         return self._lease_id()
 
     def keepalive(self) -> None:
-        if self._lease.id is None:
+        if self._lease.id is None or self._lease.borrowed:
             return
         try:
             out = self._post("/lease/keepalive", {"ID": self._lease.id})
@@ -182,7 +192,8 @@ class EtcdMembershipStore(MembershipStore):
 
     def revoke(self) -> None:
         lease = self._lease
-        if lease.id is None:
+        if lease.id is None or lease.borrowed:
+            lease.id = None
             return
         try:
             self._post("/kv/lease/revoke", {"ID": lease.id})

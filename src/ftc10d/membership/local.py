@@ -26,6 +26,7 @@ import base64
 import json
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -115,28 +116,39 @@ class NodeLink:
         self._top = 0  # highest epoch pushed
         self._incs = 0  # store reconnections announced
         self.broken: Optional[str] = None
-        self._send({"op": "hello", "pid": os.getpid()})
-        deadline = time.monotonic() + timeout
         node: Optional[str] = None
-        while node is None:
-            if time.monotonic() > deadline:
-                self._sock.close()
-                raise MembershipError(f"the node agent at {path} did not answer within {timeout:g} s")
-            data = self._sock.recv(65536)
-            if not data:
-                self._sock.close()
-                raise MembershipError(f"the node agent at {path} closed the connection before welcoming us")
-            for msg in self._frames.feed(data):
-                if msg.get("op") == "welcome" and isinstance(msg.get("node"), str) and msg["node"]:
-                    node = msg["node"]
+        lease: Optional[int] = None
+        try:
+            self._sock.sendall(encode({"op": "hello", "pid": os.getpid()}))
+            while node is None:
+                data = self._sock.recv(65536)
+                if not data:
+                    raise MembershipError(f"the node agent at {path} closed the connection before welcoming us")
+                for msg in self._frames.feed(data):
+                    if msg.get("op") == "welcome" and isinstance(msg.get("node"), str) and msg["node"]:
+                        node = msg["node"]
+                        lease = msg["lease"] if isinstance(msg.get("lease"), int) else None
+        except OSError as exc:  # a timeout included
+            self._sock.close()
+            raise MembershipError(f"the node agent at {path} did not welcome us within {timeout:g} s ({exc})") from None
+        except MembershipError:
+            self._sock.close()
+            raise
         self.node: str = node
+        #: The agent's store lease (etcd), for this rank's leased records: they go with the node.
+        self.lease = lease
         self._sock.settimeout(None)
         self._reader = threading.Thread(target=self._read_loop, name="ftc10d-node-link", daemon=True)
         self._reader.start()
 
-    def _send(self, msg: dict[str, Any]) -> bool:
+    def _send(self, msg: dict[str, Any], timeout: float = 1.0) -> bool:
+        """Send unless the agent has not read what we sent before (frozen): then skip it."""
         try:
             with self._send_lock:
+                poll = select.poll()
+                poll.register(self._sock, select.POLLOUT)
+                if not poll.poll(timeout * 1000):
+                    return False
                 self._sock.sendall(encode(msg))
             return True
         except OSError as exc:
@@ -179,6 +191,8 @@ class NodeLink:
                                 del self._configs[e]
                     elif op == "inc":
                         self._incs += 1
+                        self._configs.clear()  # epochs of the old incarnation mean nothing now
+                        self._top = 0
                 self._cv.notify_all()
 
     def beat(self, n: int, member_id: str, timeout: float) -> Optional[bool]:

@@ -163,6 +163,8 @@ class Member:
         self.rendezvous_timeout = rendezvous_timeout if rendezvous_timeout is not None else 10 * heartbeat_timeout
         self._signer = Signer(token)
         self._store = store
+        if self._link is not None and self._link.lease is not None:
+            store.borrow_lease(self._link.lease)
         self._agreement = self._new_agreement(store)
         self._api_lock = threading.Lock()
         self._cv = threading.Condition()
@@ -229,9 +231,8 @@ class Member:
             last_rank=last.members.index(self.id) if last is not None and last.includes(self.id) else -1,
             last_inc=last.incarnation if last is not None else "",
         )
-        # Under a node agent, the record outlives this process's lease-less connection; the
-        # node's heartbeat (the agent's) says whether it is alive.
-        ag.store.put(mem_key(self.id), self._signer.encode(mem_key(self.id), info.to_body()), leased=self._link is None)
+        # Under a node agent (etcd), leased records ride on the node's lease (borrowed in __init__).
+        ag.store.put(mem_key(self.id), self._signer.encode(mem_key(self.id), info.to_body()), leased=True)
         if self._link is None:
             self._beats += 1
             ag.store.put(hb_key(self.id), self._signer.encode_beat(hb_key(self.id), self._beats), leased=True)
@@ -672,11 +673,15 @@ class Member:
                 _merge_into(ag.store, self._signer, f"fact/{name}", body, merge)
 
     def _beat_loop(self) -> None:
-        if self._link is not None and self._link.broken is None:
-            self._local_beat_loop(self._link)
-            if not self._running():
-                return
-            logger.warning("membership: %s heartbeats to the store itself from now on", self.id)
+        if self._link is not None:
+            if self._link.broken is None:
+                self._local_beat_loop(self._link)
+            if self._running():
+                # Our liveness is our node's heartbeat, which only the agent writes: without it this
+                # member is as good as gone (the node's ranks are removed with it, or this one alone).
+                logger.error("membership: %s lost its node agent (%s); it heartbeats no more", self.id,
+                             self._link.broken)
+            return
         store = self._store.clone()
         ag = self._new_agreement(store)
         conn = store.connection_epoch
@@ -743,7 +748,7 @@ class Member:
         record back on it. If we were removed meanwhile, verification fences us."""
         self._suspect_self = True
         body = MemberInfo(id=self.id, handle=self.handle).to_body()
-        store.put(mem_key(self.id), self._signer.encode(mem_key(self.id), body), leased=self._link is None)
+        store.put(mem_key(self.id), self._signer.encode(mem_key(self.id), body), leased=True)
 
     def _healthy(self, now: float) -> bool:
         """Whether our own heartbeats have flowed for a full timeout: only then do we judge

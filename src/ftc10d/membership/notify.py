@@ -62,6 +62,7 @@ class Notifier:
         self.port = self._sock.getsockname()[1]
         self._stop = threading.Event()
         self._conns: dict[int, tuple[socket.socket, bytearray]] = {}
+        self._sel: Any = None
         self.hints = 0
         self._thread = threading.Thread(target=self._loop, name="ftc10d-notifier", daemon=True)
 
@@ -87,13 +88,18 @@ class Notifier:
         sel.register(self._sock, selectors.EVENT_READ, None)
         epoch: Optional[int] = None
         next_poll = 0.0
+        self._sel = sel
         try:
             while not self._stop.is_set():
-                for key, _ in sel.select(timeout=max(0.0, next_poll - time.monotonic())):
-                    if key.data is None:
-                        self._accept(sel)
-                    else:
-                        self._drain(sel, key.fileobj)  # type: ignore[arg-type]
+                try:
+                    for key, _ in sel.select(timeout=max(0.0, next_poll - time.monotonic())):
+                        if key.data is None:
+                            self._accept(sel)
+                        else:
+                            self._drain(sel, key.fileobj)  # type: ignore[arg-type]
+                except Exception:  # one bad connection must not end the hints of every agent
+                    logger.warning("membership notifier: serving a connection failed", exc_info=True)
+                    self._stop.wait(self.poll_interval)
                 if time.monotonic() < next_poll:
                     continue
                 # Before the first configuration, look for it less often (several reads each time).
@@ -144,8 +150,15 @@ class Notifier:
             except (BlockingIOError, InterruptedError):
                 backlog += frame
             except OSError:
-                self._conns.pop(fd, None)
-                s.close()
+                self._forget(s)
+
+    def _forget(self, s: socket.socket) -> None:
+        self._conns.pop(s.fileno(), None)
+        try:
+            self._sel.unregister(s)
+        except (KeyError, ValueError):
+            pass
+        s.close()
 
     def _accept(self, sel: selectors.BaseSelector) -> None:
         while True:
@@ -153,10 +166,14 @@ class Notifier:
                 s, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            s.setblocking(False)
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                s.setblocking(False)
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sel.register(s, selectors.EVENT_READ, s.fileno())
+            except (OSError, ValueError, KeyError):
+                s.close()
+                continue
             self._conns[s.fileno()] = (s, bytearray())
-            sel.register(s, selectors.EVENT_READ, s.fileno())
 
     def _drain(self, sel: selectors.BaseSelector, s: socket.socket) -> None:
         try:
@@ -166,9 +183,7 @@ class Notifier:
         except OSError:
             data = b""
         if not data:  # agents send nothing: readable means closed
-            sel.unregister(s)
-            self._conns.pop(s.fileno(), None)
-            s.close()
+            self._forget(s)
 
 
 class HintClient:
@@ -192,7 +207,10 @@ class HintClient:
             return None
         if not data:
             raise OSError("the notifier closed the connection")
-        msgs = self._frames.feed(data)
+        try:
+            msgs = self._frames.feed(data)
+        except MembershipError as exc:  # not our notifier: the caller polls instead
+            raise OSError(str(exc)) from None
         epochs = [m["epoch"] for m in msgs if m.get("op") == "hint" and isinstance(m.get("epoch"), int)]
         return max(epochs) if epochs else None
 

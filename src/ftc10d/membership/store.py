@@ -130,6 +130,14 @@ class MembershipStore(ABC):
     def revoke(self) -> None:
         """Give up this member's lease now, so its leased records vanish at once."""
 
+    def lease(self) -> Optional[int]:
+        """The id of this connection's lease, granted if needed (None without leases)."""
+        return None
+
+    def borrow_lease(self, lease_id: int) -> None:
+        """Attach this connection's leased records to another process's lease (a node
+        agent's, which renews it): they vanish with the node. Never renewed nor revoked here."""
+
     @property
     def lease_lost(self) -> bool:
         """Whether the lease expired under us (it was not renewed in time)."""
