@@ -38,7 +38,7 @@ def node_process(rank: int, world: int, port: int, coord: tuple[str, int], mode:
                  window: float) -> dict[str, Any]:
     """One node: ``ranks`` members (and, in node mode, their agent); returns its request rate."""
     from ftc10d.membership import Member, NodeAgent, TCPMembershipStore
-    from ftc10d.membership.tcp import requests_made
+    from ftc10d.membership.store import requests_made
 
     control = client_store(port)
     store = TCPMembershipStore(*coord)
@@ -72,7 +72,7 @@ def node_process(rank: int, world: int, port: int, coord: tuple[str, int], mode:
 
 def one_run(mode: str, nodes: int, ranks: int, window: float) -> dict[str, Any]:
     from ftc10d.membership import Coordinator
-    from ftc10d.membership.tcp import requests_made
+    from ftc10d.membership.store import requests_made
 
     co = Coordinator(detect=False).start()
     try:

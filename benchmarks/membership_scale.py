@@ -119,17 +119,29 @@ class RankSim:
 
 
 def sim_process(idx: int, nprocs: int, port: int, opts: dict[str, Any]) -> dict[str, Any]:
-    from ftc10d.membership import NodeAgent
-    from ftc10d.membership.tcp import requests_made
+    from ftc10d.membership import MemberInfo, NodeAgent, Signer
+    from ftc10d.membership.agreement import mem_key
+    from ftc10d.membership.store import requests_made
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     threading.stack_size(256 << 10)
     control = client_store(port)
-    store = _store(opts)
     k = opts["nodes"] // nprocs + (1 if idx < opts["nodes"] % nprocs else 0)
-    agents = [NodeAgent(store.clone(), heartbeat_timeout=opts["timeout"], poll_interval=opts["poll"]).start()
+    # A store object of its own per agent (clones would share one etcd lease, as a process's threads do).
+    agents = [NodeAgent(_store(opts), heartbeat_timeout=opts["timeout"], poll_interval=opts["poll"]).start()
               for _ in range(k)]
+    # Each rank's records, as Member.join writes them: on etcd, leased on its node's lease.
+    signer = Signer(None)
+    for a in agents:
+        rs = _store(opts)
+        if a._lease is not None:
+            rs.borrow_lease(a._lease)
+        for j in range(opts["ranks"]):
+            mid = f"{a.id}.{j:04d}"
+            info = MemberInfo(id=mid, handle=f"ftc10d/v1/sim/{a.id}/{j}", host="sim", pid=0)
+            rs.put(mem_key(mid), signer.encode(mem_key(mid), info.to_body()), leased=True)
+            rs.append_join(mid)
     sim = RankSim(agents, opts["ranks"], opts["timeout"] / 4)
     control.set(f"agents/{idx}", json.dumps([a.id for a in agents]))
     last = 0
@@ -186,8 +198,7 @@ def _holding(control: Any, procs: int, epoch: int, want: int, timeout: float) ->
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from ftc10d.membership import Agreement, MemberInfo, Signer
-    from ftc10d.membership.agreement import mem_key
+    from ftc10d.membership import Agreement, Signer
 
     opts: dict[str, Any] = {"nodes": args.nodes, "ranks": args.ranks, "timeout": args.timeout, "poll": args.poll}
     coord = etcd = None
@@ -206,18 +217,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         control = job.store
         _wait(control, [f"agents/{i}" for i in range(args.procs)], 600)
         nodes = [n for i in range(args.procs) for n in json.loads(control.get(f"agents/{i}"))]
-        # Admission through the real join path: records, join log, then the first configuration.
+        # Admission through the real join path: the ranks' records and joins (written by their
+        # processes), then the first configuration.
         store = _store(opts)
         signer = Signer(None)
         t_join = time.monotonic()
-        handles = {}
-        for node in nodes:
-            for j in range(args.ranks):
-                mid = f"{node}.{j:04d}"
-                handles[mid] = f"ftc10d/v1/sim/{node}/{j}"
-                info = MemberInfo(id=mid, handle=handles[mid], host="sim", pid=0)
-                store.put(mem_key(mid), signer.encode(mem_key(mid), info.to_body()))
-                store.append_join(mid)
+        handles = {f"{node}.{j:04d}": f"ftc10d/v1/sim/{node}/{j}" for node in nodes for j in range(args.ranks)}
         size = len(handles)
         ag = Agreement(store, signer, expected=size)
         out = ag.propose_first(reason="simulation")

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -36,16 +36,6 @@ print(json.dumps({"id": agent.id, "path": agent.path}), flush=True)
 sys.stdin.read()
 agent.close()
 """
-
-
-@pytest.fixture
-def coordinator() -> Iterator[Coordinator]:
-    # No coordinator-side detection: the agents alone must find what goes silent.
-    co = Coordinator(detect=False).start()
-    try:
-        yield co
-    finally:
-        co.close()
 
 
 def _agent_process(co: Coordinator) -> tuple[subprocess.Popen, dict[str, str]]:
@@ -72,6 +62,7 @@ def test_a_link_to_no_agent_says_how_to_run_without_one(tmp_path: Any) -> None:
         NodeLink(str(tmp_path / "nothing.sock"))
 
 
+# `coordinator` (tests/conftest.py) has its detector off: the agents alone find what goes silent.
 def test_ranks_of_a_node_are_members_under_its_id_and_make_no_store_requests(coordinator: Coordinator) -> None:
     spec = tcp_spec(coordinator)
     with NodeAgent(coordinator.membership_store(), heartbeat_timeout=1.0) as agent:

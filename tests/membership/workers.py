@@ -81,7 +81,7 @@ def pg_worker(rank: int, world: int, port: int, spec: dict[str, Any], opts: dict
 
     import ftc10d
     from ftc10d.membership import ReconnectingTCPStore
-    from ftc10d.membership.tcp import requests_made
+    from ftc10d.membership.store import requests_made
 
     _log_to(rank)
     control = client_store(port)

@@ -39,7 +39,7 @@ from typing import Any, Optional, Union
 
 import requests
 
-from ftc10d.membership.store import Head, MembershipStore
+from ftc10d.membership.store import Head, MembershipStore, count_request
 from ftc10d.types import InvalidOptionError, StoreUnavailableError
 
 logger = logging.getLogger("ftc10d")
@@ -131,6 +131,7 @@ class EtcdMembershipStore(MembershipStore):
 
         errors = []
         n = len(self.endpoints)
+        count_request()
         for attempt in range(n):
             i = (self._idx + attempt) % n
             client = self._client(i)
@@ -327,6 +328,7 @@ class EtcdMembershipStore(MembershipStore):
         host, port, proto = _parse_endpoint(self.endpoints[self._idx])
         url = f"{proto}://{host}:{port}/v3/watch"
         body = {"create_request": {"key": _b64(self._k(key)), "start_revision": start_revision}}
+        count_request()  # a watch stream opened
         try:
             with requests.post(url, json=body, stream=True, timeout=(self.timeout, max(timeout, 0.01))) as resp:
                 for line in resp.iter_lines():

@@ -28,7 +28,23 @@ from typing import NamedTuple, Optional
 
 from ftc10d.types import StoreUnavailableError
 
-__all__ = ["MembershipStore", "StoreUnavailableError", "Head"]
+__all__ = ["MembershipStore", "StoreUnavailableError", "Head", "requests_made"]
+
+_requests = 0
+_requests_lock = threading.Lock()
+
+
+def count_request() -> None:
+    """Called by a backend once per round trip to its store."""
+    global _requests
+    with _requests_lock:
+        _requests += 1
+
+
+def requests_made() -> int:
+    """How many requests this process's membership clients (any backend) made so far: tests
+    and benchmarks read a store's load from it (TCPStore's server counts nothing)."""
+    return _requests
 
 
 class Head(NamedTuple):

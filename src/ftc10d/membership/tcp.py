@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ftc10d.membership.agreement import Agreement, Configuration, cfg_key, hb_key, unit_of
 from ftc10d.membership.detector import LapseDetector
 from ftc10d.membership.records import Signer
-from ftc10d.membership.store import MembershipStore
+from ftc10d.membership.store import MembershipStore, count_request, requests_made  # noqa: F401 (re-exported)
 from ftc10d.types import StoreUnavailableError
 
 logger = logging.getLogger("ftc10d")
@@ -58,17 +58,6 @@ def listen_socket(host: str, port: int) -> socket.socket:
     sock.bind((host, port))
     sock.listen(4096)
     return sock
-
-
-#: Requests this process made to membership TCPStores (one round trip each): :func:`requests_made`.
-_requests = 0
-_requests_lock = threading.Lock()
-
-
-def requests_made() -> int:
-    """How many requests this process's membership clients made so far. Tests and
-    benchmarks read the store's load from it (TCPStore's server counts nothing)."""
-    return _requests
 
 
 class TCPMembershipStore(MembershipStore):
@@ -142,9 +131,7 @@ class TCPMembershipStore(MembershipStore):
         return client
 
     def _call(self, fn: Callable[[dist.TCPStore], T]) -> T:
-        global _requests
-        with _requests_lock:
-            _requests += 1
+        count_request()
         for attempt in range(2):
             if self._client is None:
                 self._client = self._connect()
