@@ -136,6 +136,12 @@ class Generation:
                 else:
                     keep.append(item)
             self._pending = keep
+        if self.aborted and self._aborting_thread != threading.get_ident():
+            # The abort began between this op's issue-time check and here: its drain may have
+            # run already and never seen the op, which Gloo then runs on cut connections until
+            # its timeout while its wait() hangs (reliability.md finding 28). Drain it now.
+            self._abort_done.wait()
+            self._drain(self._running())
 
     def has_pending(self) -> bool:
         """Whether any op of this generation is still running."""
