@@ -180,10 +180,53 @@ def test_an_agent_learns_each_configuration_from_the_coordinators_hint_or_by_pol
             took = time.monotonic() - t0
             if notify:
                 assert co._notifier.connected >= 1 and co._notifier.hints > hints_before
+                assert agent.pushed >= 1  # the record came with its hint: no read per node
             assert took < 5, f"{took:.2f} s"
         finally:
             for m in members:
                 m.close()
+
+
+def test_a_forged_hint_record_is_refused_and_the_real_one_taken() -> None:
+    """Anyone can connect to a notifier's port, and a hint's record is pushed, not read: an
+    agent must verify it as a stored one. A fake notifier pushes a record for the next epoch
+    signed with another key (and one that is not base64): the agent keeps its configuration,
+    then takes the real next one when it is written."""
+    import socket
+
+    from ftc10d.membership import Agreement, Member
+    from ftc10d.membership.agreement import Configuration, cfg_key
+    from ftc10d.membership.local import b64
+    from ftc10d.membership.notify import NOTIFY_KEY
+    from ftc10d.membership.records import Signer
+
+    fake = socket.create_server(("127.0.0.1", 0))
+    with Coordinator(detect=False, notify=False, token="real") as co:
+        co.membership_store().put(NOTIFY_KEY, str(fake.getsockname()[1]).encode())
+        with NodeAgent(co.membership_store(), heartbeat_timeout=1.0, token="real") as agent:
+            members = [Member(co.membership_store(), f"ftc10d/v1/test/{i}", expected=2, node_agent=agent.path,
+                              token="real").join() for i in range(2)]
+            try:
+                first = members[0].wait_next(0, timeout=30)
+                fake.settimeout(10)
+                conn, _ = fake.accept()
+                forged = Configuration(epoch=first.epoch + 1, uuid=42, handles=("x",), members=("evil",),
+                                       incarnation=first.incarnation)
+                raw = Signer("forger").encode(cfg_key(first.epoch + 1), forged.to_body())
+                conn.sendall(encode({"op": "hint", "epoch": first.epoch + 1, "raw": b64(raw)})
+                             + encode({"op": "hint", "epoch": first.epoch + 1, "raw": "%%%"}))
+                time.sleep(1.5)
+                assert agent.current is not None and agent.current.epoch == first.epoch
+                assert agent.pushed == 0
+                out = Agreement(co.membership_store(), Signer("real")).report_exit(members[1].handle)
+                assert out.config is not None
+                got = members[0].wait_next(first.epoch, timeout=10)
+                assert got.epoch == out.config.epoch and got.members == out.config.members
+                conn.close()
+            finally:
+                for m in members:
+                    m.close()
+    fake.close()
 
 
 @needs_etcd

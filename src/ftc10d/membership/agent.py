@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional
 from ftc10d.membership.agreement import KEY_START, Agreement, Configuration, cfg_key, hb_key, new_member_id, unit_of
 from ftc10d.membership.detector import LapseDetector
 from ftc10d.membership.local import FrameBuffer, b64, encode
-from ftc10d.membership.notify import NOTIFY_KEY, SAFETY_POLL_S, HintClient
+from ftc10d.membership.notify import DETECTOR_KEY, NOTIFY_KEY, SAFETY_POLL_S, HintClient
 from ftc10d.membership.records import Signer
 from ftc10d.membership.store import MembershipStore
 from ftc10d.types import MembershipError, StoreUnavailableError
@@ -60,10 +60,10 @@ MAX_BACKLOG = 64 << 20
 
 def node_ring(cfg: Configuration, node: str, k: int) -> list[str]:
     """The ``k`` nodes after ``node`` in ``cfg`` (nodes in order of their first rank, wrapping)."""
-    units = list(dict.fromkeys(unit_of(m) for m in cfg.members))
-    if node not in units or k <= 0:
+    i = cfg.unit_order.get(node)
+    if i is None or k <= 0:
         return []
-    i = units.index(node)
+    units = list(cfg.units)
     n = len(units)
     return [units[(i + j) % n] for j in range(1, min(k, n - 1) + 1)]
 
@@ -88,10 +88,14 @@ class NodeAgent:
         store: the job's membership store (the agent clones a connection per thread).
         token: the job token; records are signed and verified with it.
         heartbeat_timeout: a node (or a local rank) silent this long is removed.
-        heartbeat_interval: default ``heartbeat_timeout / 10``.
-        watch_interval: how often ring successors' heartbeats are read (default ``heartbeat_timeout / 20``:
-            a silent node is removed within the timeout + 50 ms + one proposal; per-rank members read
-            every ``/ 40``, but a node's ring is the job's only store reads of heartbeats).
+        heartbeat_interval: default ``heartbeat_timeout / 5`` (a reader's lapse needs a whole
+            timeout without a new beat: four missed beats, not one).
+        watch_interval: how often the local ranks' beats are judged and, with no coordinator
+            detecting, the ring successors' heartbeats read (default ``heartbeat_timeout / 20``: a
+            silent node is removed within the timeout + 50 ms + one proposal). When the coordinator
+            announces its detector (it reads every node's heartbeat in one request per
+            ``heartbeat_timeout / 40``), the ring is read every ``heartbeat_timeout / 4`` only, as a
+            second opinion: its reads were two thirds of a node's store requests.
         watchers: how many ring successor *nodes* each agent watches.
         socket_dir: where the local channel's socket is created (default: a new temporary folder).
         poll_interval: on a TCPStore, how often the next configuration slot is looked for (default
@@ -116,7 +120,7 @@ class NodeAgent:
     ) -> None:
         self.id = new_member_id()  # hex only: a rank's id is "<node>.<token>"
         self.heartbeat_timeout = heartbeat_timeout
-        self.heartbeat_interval = heartbeat_interval or heartbeat_timeout / 10
+        self.heartbeat_interval = heartbeat_interval or heartbeat_timeout / 5
         self.watch_interval = watch_interval or heartbeat_timeout / 20
         self.watchers = watchers
         self.poll_interval = poll_interval
@@ -139,7 +143,9 @@ class NodeAgent:
         self._lease: Optional[int] = None
         self._beat_gap_at = time.monotonic()
         self._last_seen: dict[str, float] = {}  # local member id -> when its last local beat came
+        self._coordinator_detects = False  # announced in the store (DETECTOR_KEY)
         self.proposals = 0  # removals this agent proposed (tests, benchmarks)
+        self.pushed = 0  # configurations taken from the record pushed with a hint (no store read)
 
     # ================================================================ public
 
@@ -300,6 +306,7 @@ class NodeAgent:
         ag = Agreement(store, self._signer)
         hints: Optional[HintClient] = None
         hinted = 0  # the highest epoch hinted (several may come in one read)
+        carried: dict[int, bytes] = {}  # records pushed with their hints, not yet taken
         next_try = 0.0
         while not self._stop.is_set():
             try:
@@ -318,29 +325,46 @@ class NodeAgent:
                 if hints is None and store.kind == "tcp" and time.monotonic() >= next_try:
                     next_try = time.monotonic() + WAIT_SLICE
                     hints = self._connect_hints(store)
+                carried_raw = False
                 if hints is not None:
-                    # The coordinator polls for the whole job and hints us: one read per change,
-                    # and one per SAFETY_POLL_S in case a hint was lost.
+                    # The coordinator polls for the whole job and pushes each new record (a big
+                    # one: its epoch only): no store request per change, and one per
+                    # SAFETY_POLL_S in case a hint was lost.
                     try:
                         if hinted <= cur.epoch:
-                            hinted = max(hinted, hints.wait(SAFETY_POLL_S) or 0)
+                            for e, r in hints.wait(SAFETY_POLL_S):
+                                hinted = max(hinted, e)
+                                if r is not None and e > cur.epoch and len(carried) < 64:
+                                    carried[e] = r
                     except OSError as exc:
                         logger.info("membership: node agent %s lost the coordinator's hints (%s); polling",
                                     self.id, exc)
                         hints.close()
                         hints = None
+                        carried.clear()
                         continue
-                    raw = store.get(cfg_key(cur.epoch + 1))
-                    if raw is None:
-                        hinted = min(hinted, cur.epoch)  # a hint of another incarnation, or a forged one
+                    raw = carried.pop(cur.epoch + 1, None)
+                    carried_raw = raw is not None
+                    for e in [e for e in carried if e <= cur.epoch]:
+                        del carried[e]
+                    if raw is None:  # hinted without its record, or a quiet SAFETY_POLL_S went by
+                        raw = store.get(cfg_key(cur.epoch + 1))
+                        if raw is None:
+                            hinted = min(hinted, cur.epoch)  # a hint of another incarnation, or a forged one
                 else:
                     raw = store.wait_for(cfg_key(cur.epoch + 1), WAIT_SLICE, self._stop)
                 if raw is None or self._stop.is_set():
                     continue
                 nxt = ag.read_config(cur.epoch + 1, raw=raw)
+                if nxt is None and carried_raw:  # a forged push costs one read
+                    raw = store.get(cfg_key(cur.epoch + 1))
+                    nxt = None if raw is None else ag.read_config(cur.epoch + 1, raw=raw)
+                    if raw is None:
+                        continue
                 if nxt is None:
                     self._stop.wait(self.heartbeat_interval)  # a bad record: wait for a proposer to replace it
                     continue
+                self.pushed += carried_raw
                 self._take(nxt, raw)
             except StoreUnavailableError:
                 self._stop.wait(self.heartbeat_interval)
@@ -354,6 +378,7 @@ class NodeAgent:
     def _connect_hints(self, store: MembershipStore) -> Optional[HintClient]:
         """The coordinator's notifier, if it runs one (its port is in the store)."""
         try:
+            self._coordinator_detects = store.get(DETECTOR_KEY) is not None
             raw = store.get(NOTIFY_KEY)
             if raw is None or not raw.isdigit():
                 return None
@@ -380,6 +405,8 @@ class NodeAgent:
         suspects: dict[str, str] = {}
         suspects_epoch = -1
         last_attempt = 0.0
+        last_ring = 0.0
+        view: tuple[Optional[Configuration], tuple[str, ...], list[str]] = (None, (), [])
         prev = time.monotonic()
         while not self._stop.wait(self.watch_interval):
             now = time.monotonic()
@@ -390,7 +417,9 @@ class NodeAgent:
                 continue
             if cur.epoch != suspects_epoch:
                 suspects, suspects_epoch = {}, cur.epoch
-            mine = [m for m in cur.members if unit_of(m) == self.id]
+            if view[0] is not cur:  # once per configuration: O(ranks) at 32,768 ranks is ms
+                view = (cur, cur.units.get(self.id, ()), node_ring(cur, self.id, self.watchers))
+            mine, ring = view[1], view[2]
             if not mine:
                 continue  # none of our ranks is a member: we have no say on suspicions
             healthy = self._healthy(now) and not gap
@@ -405,12 +434,13 @@ class NodeAgent:
                         if now - t > self.heartbeat_timeout and m not in suspects:
                             fresh[m] = "local-heartbeat"
             try:
-                ring = node_ring(cur, self.id, self.watchers)
-                if ring:
+                ring_every = self.heartbeat_timeout / 4 if self._coordinator_detects else 0.0
+                if ring and now - last_ring >= ring_every:
+                    last_ring = now
                     raws = store.get_many([hb_key(u) for u in ring])
                     for u in nodes.observe(ring, raws, time.monotonic(), healthy=healthy):
-                        for m in cur.members:
-                            if unit_of(m) == u and m not in suspects:
+                        for m in cur.units.get(u, ()):
+                            if m not in suspects:
                                 fresh.setdefault(m, "heartbeat")
                 suspects.update(fresh)
                 if not fresh and not (suspects and now - last_attempt >= self.heartbeat_timeout):

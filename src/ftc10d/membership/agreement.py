@@ -55,8 +55,11 @@ import hashlib
 import logging
 import secrets
 import socket
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Optional
 
 from ftc10d.membership.records import Signer
@@ -75,6 +78,15 @@ FULL_EVERY = 16
 
 #: Removal reasons that are facts, not suspicions: they do not need a majority.
 CONFIRMED = frozenset({"exit", "left", "superseded"})
+
+
+#: Configurations decoded in this process, by (job key, record key, record bytes): a record
+#: that verified once (signature, and its digest, which pins the whole member list) is the
+#: same configuration for every reader. A process that hosts many node agents (the scale
+#: benchmark, tests) decodes each record once; a launcher's agent, once for its threads.
+_DECODED: "OrderedDict[tuple[str, str, bytes], Configuration]" = OrderedDict()
+_DECODED_LOCK = threading.Lock()
+DECODED_KEEP = 8
 
 
 def cfg_key(epoch: int) -> str:
@@ -143,18 +155,42 @@ class Configuration:
             return None
 
     def includes(self, member_id: str) -> bool:
-        return member_id in self.members
+        return member_id in self.member_set
 
     def handle_of(self, member_id: str) -> Optional[str]:
-        try:
-            return self.handles[self.members.index(member_id)]
-        except ValueError:
-            return None
+        i = self.position.get(member_id)
+        return None if i is None else self.handles[i]
 
-    @property
+    @cached_property
+    def position(self) -> dict[str, int]:
+        """Member id -> its index (its rank)."""
+        return {m: i for i, m in enumerate(self.members)}
+
+    @cached_property
+    def member_set(self) -> frozenset[str]:
+        return frozenset(self.members)
+
+    @cached_property
+    def handle_set(self) -> frozenset[str]:
+        return frozenset(self.handles)
+
+    @cached_property
+    def units(self) -> dict[str, tuple[str, ...]]:
+        """Heartbeat unit -> its members, units in order of their first member (computed once
+        per configuration: an agent at 32,768 ranks must not rebuild it on every tick)."""
+        out: dict[str, list[str]] = {}
+        for m in self.members:
+            out.setdefault(unit_of(m), []).append(m)
+        return {u: tuple(ms) for u, ms in out.items()}
+
+    @cached_property
+    def unit_order(self) -> dict[str, int]:
+        return {u: i for i, u in enumerate(self.units)}
+
+    @cached_property
     def digest(self) -> str:
         """Names the ordered member list: a delta record is checked against it."""
-        text = "\n".join(f"{m} {h}" for m, h in zip(self.members, self.handles))
+        text = "\n".join(map("{} {}".format, self.members, self.handles))
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def to_body(self, prev: Optional["Configuration"] = None) -> dict[str, Any]:
@@ -199,25 +235,48 @@ class Configuration:
             full_epoch = epoch
             if "members" in body:
                 members = body["members"]
+                if not (isinstance(members, list) and all(
+                        isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in members)):
+                    return None
+                if len({m for m, _ in members}) != len(members) or len({h for _, h in members}) != len(members):
+                    return None
+                ids = tuple(m for m, _ in members)
+                handles = tuple(h for _, h in members)
             else:
                 if prev is None or body.get("base") != prev.epoch or prev.epoch != epoch - 1 \
                         or prev.incarnation != body["inc"]:
                     return None
-                gone = set(body["removed"])
-                members = [[m, h] for m, h in zip(prev.members, prev.handles) if m not in gone] + body["added"]
+                # Only what changed is checked (the base was checked when it was read): at
+                # 32,768 members a delta is applied in a few ms, not tens.
+                removed, added = body["removed"], body["added"]
+                if not (isinstance(removed, list) and all(isinstance(m, str) for m in removed)
+                        and isinstance(added, list) and all(
+                            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], str)
+                            for p in added)):
+                    return None
+                pos = prev.position
+                gone = {m for m in removed if m in pos}
+                gone_handles = {prev.handles[pos[m]] for m in gone}
+                new_ids = [m for m, _ in added]
+                new_handles = [h for _, h in added]
+                if (len(set(new_ids)) != len(new_ids) or len(set(new_handles)) != len(new_handles)
+                        or any(m in pos and m not in gone for m in new_ids)
+                        or any(h in prev.handle_set and h not in gone_handles for h in new_handles)):
+                    return None
+                if gone:
+                    ids = tuple(m for m in prev.members if m not in gone) + tuple(new_ids)
+                    handles = tuple(h for h in prev.handles if h not in gone_handles) + tuple(new_handles)
+                else:
+                    ids = prev.members + tuple(new_ids)
+                    handles = prev.handles + tuple(new_handles)
                 full_epoch = prev.full_epoch
-            if not (isinstance(members, list) and all(
-                    isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in members)):
-                return None
         except (KeyError, TypeError):
-            return None
-        if len({m for m, _ in members}) != len(members) or len({h for _, h in members}) != len(members):
             return None
         cfg = cls(
             epoch=epoch,
             uuid=body["uuid"],
-            handles=tuple(h for _, h in members),
-            members=tuple(m for m, _ in members),
+            handles=handles,
+            members=ids,
             incarnation=body["inc"],
             joins_upto=body.get("joins", 0),
             min_members=body.get("min", 1),
@@ -365,7 +424,17 @@ class Agreement:
         """The verified configuration of ``epoch`` (None if absent or bad). A delta record is
         applied to its predecessor, from the cache or read (walking back to a full record)."""
         key = cfg_key(epoch)
-        body = self.signer.decode(key, self.store.get(key) if raw is None else raw)
+        if raw is None:
+            raw = self.store.get(key)
+        if raw is None:
+            return None
+        memo = (self.signer.key_id, key, raw)
+        with _DECODED_LOCK:
+            known = _DECODED.get(memo)
+        if known is not None:
+            self.remember(known)
+            return known
+        body = self.signer.decode(key, raw)
         if body is None:
             return None
         prev = None
@@ -377,6 +446,10 @@ class Agreement:
         if cfg is None:
             self.signer._reject(key, str(body)[:200].encode(), "not a valid configuration")
             return None
+        with _DECODED_LOCK:
+            _DECODED[memo] = cfg
+            while len(_DECODED) > DECODED_KEEP:
+                _DECODED.popitem(last=False)
         self.remember(cfg)
         return cfg
 

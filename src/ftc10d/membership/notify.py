@@ -6,11 +6,16 @@ On a TCPStore, a waiter learns of ``cfg/<e+1>`` by polling it (``check`` every
 per second per node, most of a node agent's store load, and a store of 4,096
 nodes would serve 200,000 polls a second for nothing. The coordinator hosts the
 store, so it polls once for everyone (:class:`Notifier`) and pushes a *hint*,
-``{"op": "hint", "epoch": e}``, to every agent connected to it; an agent then
-reads ``cfg/<e>`` from the store (one request per change per node) and verifies
-it as it would any record. A hint is only a wake-up: a forged or lost one costs
-a read or up to ``SAFETY_POLL_S`` of latency, never a wrong configuration (the
-record is signed), and nothing read here is unpickled.
+``{"op": "hint", "epoch": e, "raw": <the record>}``, to every agent connected to
+it. The agent verifies the record as it would one read from the store (it is
+signed with the job's key): a change costs the store one read for the whole job,
+not one per node. A record over ``HINT_RECORD_MAX`` bytes (a full record of a
+big job) is hinted by its epoch only, and read by each agent. A hint is only a
+wake-up: a forged or lost one costs a read or up to ``SAFETY_POLL_S`` of latency,
+never a wrong configuration, and nothing read here is unpickled.
+
+The coordinator also announces its detector (``DETECTOR_KEY``): the agents then
+read their ring successors' heartbeats less often (:class:`ftc10d.membership.NodeAgent`).
 
 The notifier's port is published in the store (``notify``, under the membership
 prefix); an agent that finds none (etcd: its watches push already; an older
@@ -27,7 +32,7 @@ import time
 from typing import Any, Optional
 
 from ftc10d.membership.agreement import cfg_key
-from ftc10d.membership.local import FrameBuffer, encode
+from ftc10d.membership.local import FrameBuffer, b64, encode, unb64
 from ftc10d.types import MembershipError, StoreUnavailableError
 
 logger = logging.getLogger("ftc10d")
@@ -36,8 +41,12 @@ logger = logging.getLogger("ftc10d")
 NOTIFY_KEY = "notify"
 #: A hinted agent still looks for the next configuration this often (a lost hint, a dead notifier).
 SAFETY_POLL_S = 1.0
+#: Key (under the membership prefix) present while the coordinator's detector reads every heartbeat.
+DETECTOR_KEY = "detector"
+#: Records up to this size travel with their hint (a delta is ~100 B + the changed members).
+HINT_RECORD_MAX = 64 << 10
 #: Bytes a slow agent may have waiting before the notifier drops its connection (it reconnects).
-MAX_BACKLOG = 1 << 16
+MAX_BACKLOG = 1 << 20
 
 
 class Notifier:
@@ -121,10 +130,10 @@ class Notifier:
             if top is None:
                 return None
             epoch = top
-            self._broadcast(epoch)
+            self._broadcast(epoch, self._store.get(cfg_key(epoch)))
         while self._store.exists(cfg_key(epoch + 1)):
             epoch += 1
-            self._broadcast(epoch)
+            self._broadcast(epoch, self._store.get(cfg_key(epoch)))
         return epoch
 
     def _top(self) -> Optional[int]:
@@ -132,8 +141,11 @@ class Notifier:
         latest = self._agreement.latest()
         return None if latest is None else latest.epoch
 
-    def _broadcast(self, epoch: int) -> None:
-        frame = encode({"op": "hint", "epoch": epoch})
+    def _broadcast(self, epoch: int, raw: Optional[bytes] = None) -> None:
+        msg: dict[str, Any] = {"op": "hint", "epoch": epoch}
+        if raw is not None and len(raw) <= HINT_RECORD_MAX:
+            msg["raw"] = b64(raw)
+        frame = encode(msg)
         self.hints += 1
         for fd, (s, backlog) in list(self._conns.items()):
             try:
@@ -197,22 +209,26 @@ class HintClient:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._frames = FrameBuffer()
 
-    def wait(self, timeout: float) -> Optional[int]:
-        """The highest epoch hinted within ``timeout`` (None: none). Raises OSError when the
-        connection is gone."""
+    def wait(self, timeout: float) -> list[tuple[int, Optional[bytes]]]:
+        """The hints that came within ``timeout``: (epoch, its record or None), oldest first;
+        empty if none came. Raises OSError when the connection is gone."""
         self._sock.settimeout(max(timeout, 0.001))
         try:
             data = self._sock.recv(65536)
         except socket.timeout:
-            return None
+            return []
         if not data:
             raise OSError("the notifier closed the connection")
         try:
             msgs = self._frames.feed(data)
         except MembershipError as exc:  # not our notifier: the caller polls instead
             raise OSError(str(exc)) from None
-        epochs = [m["epoch"] for m in msgs if m.get("op") == "hint" and isinstance(m.get("epoch"), int)]
-        return max(epochs) if epochs else None
+        out: list[tuple[int, Optional[bytes]]] = []
+        for m in msgs:
+            if m.get("op") != "hint" or not isinstance(m.get("epoch"), int) or isinstance(m["epoch"], bool):
+                continue
+            out.append((m["epoch"], unb64(m.get("raw"))))  # no (good) record: the agent reads it
+        return out
 
     def close(self) -> None:
         try:

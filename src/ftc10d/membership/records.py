@@ -52,6 +52,8 @@ class Signer:
 
     def __init__(self, token: Union[str, bytes, None] = None) -> None:
         self._key = resolve_token(token)
+        #: Names the job key without revealing it ("" unsigned): decoded records are shared by it.
+        self.key_id = "" if self._key is None else hashlib.sha256(b"ftc10d-key-id\n" + self._key).hexdigest()[:16]
         self._logged: set[tuple[str, bytes]] = set()
         self.rejected = 0  # records ignored for a bad signature or a bad shape (tests read it)
 

@@ -296,6 +296,12 @@ class Coordinator:
 
             self._notifier = Notifier(self.membership_store(), self.signer, self.host).start()
         if self.detect:
+            from ftc10d.membership.notify import DETECTOR_KEY
+
+            # Node agents then read their ring less often: this detector reads every heartbeat.
+            store = self.membership_store()
+            store.put(DETECTOR_KEY, f"{self.watch_interval}".encode())
+            store.close()
             self._thread = threading.Thread(target=self._detect_loop, name="ftc10d-coordinator", daemon=True)
             self._thread.start()
         return self

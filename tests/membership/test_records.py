@@ -1,0 +1,108 @@
+"""Configuration records: full and delta encodings, their checks, and the shared decode.
+
+Big configurations (more than ``FULL_LIMIT`` members) are written as deltas against their
+predecessor; a reader applies only what changed. Every shape a forger or a bug could write
+must be refused (a delta that duplicates a kept member or handle, a wrong base, a digest that
+does not match), and a record is decoded once per process however many agents read it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ftc10d.membership.agreement import FULL_LIMIT, Configuration, cfg_key
+from ftc10d.membership.records import Signer
+
+N = FULL_LIMIT + 36
+
+
+def _cfg(epoch: int, ids: list[str], *, full_epoch: int = 1) -> Configuration:
+    return Configuration(epoch=epoch, uuid=100 + epoch, handles=tuple(f"h-{m}" for m in ids),
+                         members=tuple(ids), incarnation="inc", full_epoch=full_epoch)
+
+
+def _ids(n: int, node: str = "n0") -> list[str]:
+    return [f"{node}.{i:04d}" for i in range(n)]
+
+
+def test_delta_round_trip_removes_and_appends_in_order() -> None:
+    prev = _cfg(5, _ids(N))
+    ids = [m for m in prev.members if m not in ("n0.0003", "n0.0050")] + ["n1.0000", "n1.0001"]
+    nxt = _cfg(6, ids)
+    body = nxt.to_body(prev)
+    assert "members" not in body and body["removed"] == ["n0.0003", "n0.0050"]
+    got = Configuration.from_body(json.loads(json.dumps(body)), 6, prev)
+    assert got is not None
+    assert got.members == nxt.members and got.handles == nxt.handles
+    assert got.full_epoch == prev.full_epoch
+    assert got.digest == nxt.digest
+    assert got.rank_of("h-n1.0001") == N - 1  # appended after the N - 2 survivors
+    assert got.handle_of("n0.0004") == "h-n0.0004" and got.handle_of("n0.0003") is None
+
+
+def test_small_configurations_are_written_in_full() -> None:
+    prev = _cfg(5, _ids(8))
+    body = _cfg(6, _ids(7)).to_body(prev)
+    assert "members" in body
+    assert Configuration.from_body(body, 6, None) is not None
+
+
+def test_bad_deltas_are_refused() -> None:
+    prev = _cfg(5, _ids(N))
+    good = _cfg(6, list(prev.members[1:]) + ["n1.0000"]).to_body(prev)
+
+    def variant(**change: object) -> dict:
+        body = dict(good)
+        body.update(change)
+        return body
+
+    # An added member that is still a member, or a handle still in use: two ranks, one identity.
+    assert Configuration.from_body(variant(added=[["n0.0002", "h-new"]]), 6, prev) is None
+    assert Configuration.from_body(variant(added=[["n9.0000", "h-n0.0002"]]), 6, prev) is None
+    assert Configuration.from_body(variant(added=[["n9.0000", "x"], ["n9.0000", "y"]]), 6, prev) is None
+    assert Configuration.from_body(variant(added=[["n9.0000", 7]]), 6, prev) is None
+    assert Configuration.from_body(variant(removed="n0.0000"), 6, prev) is None
+    # The wrong base, a missing base, another incarnation.
+    assert Configuration.from_body(good, 6, None) is None
+    assert Configuration.from_body(variant(base=4), 6, prev) is None
+    assert Configuration.from_body(good, 7, prev) is None
+    other = Configuration(epoch=5, uuid=1, handles=prev.handles, members=prev.members, incarnation="other")
+    assert Configuration.from_body(good, 6, other) is None
+    # A base with different members: the digest does not reproduce.
+    moved = _cfg(5, list(reversed(prev.members)))
+    assert Configuration.from_body(good, 6, moved) is None
+
+
+def test_a_removed_members_handle_may_be_reused() -> None:
+    prev = _cfg(5, _ids(N))
+    ids = list(prev.members[1:]) + ["n1.0000"]
+    nxt = Configuration(epoch=6, uuid=7, members=tuple(ids), incarnation="inc",
+                        handles=tuple(f"h-{m}" for m in prev.members[1:]) + ("h-n0.0000",))
+    got = Configuration.from_body(nxt.to_body(prev), 6, prev)
+    assert got is not None and got.handle_of("n1.0000") == "h-n0.0000"
+
+
+def test_a_record_is_decoded_once_per_process_and_forgeries_are_not(tmp_path: object) -> None:
+    from ftc10d.membership.agreement import Agreement
+    from ftc10d.membership.tcp import Coordinator
+
+    signer = Signer("job-token")
+    prev = _cfg(1, _ids(N), full_epoch=1)
+    nxt = _cfg(2, list(prev.members[2:]))
+    with Coordinator(detect=False, notify=False, token="job-token") as co:
+        a = Agreement(co.membership_store(), Signer("job-token"))
+        b = Agreement(co.membership_store(), Signer("job-token"))
+        raw1 = signer.encode(cfg_key(1), prev.to_body(None))
+        raw2 = signer.encode(cfg_key(2), nxt.to_body(prev))
+        first = a.read_config(1, raw=raw1)
+        assert first is not None and first.members == prev.members
+        one = a.read_config(2, raw=raw2)
+        # b never saw epoch 1: without the shared decode it would have to read its base.
+        two = b.read_config(2, raw=raw2)
+        assert one is not None and two is one
+        # Another job's key does not share it, and a forged copy is refused.
+        c = Agreement(co.membership_store(), Signer("another-token"))
+        assert c.read_config(2, raw=raw2) is None
+        forged = raw2.replace(b'"uuid":102', b'"uuid":103')
+        assert forged != raw2
+        assert Agreement(co.membership_store(), Signer("job-token")).read_config(2, raw=forged) is None
