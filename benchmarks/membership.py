@@ -217,8 +217,8 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _start_coordinator(port: int, detect: bool) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "ftc10d", "coordinator", "--port", str(port), "--heartbeat-timeout", str(HB_TIMEOUT)]
+def _start_coordinator(port: int, detect: bool, timeout: float = HB_TIMEOUT) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "ftc10d", "coordinator", "--port", str(port), "--heartbeat-timeout", str(timeout)]
     if not detect:
         cmd.append("--no-detect")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -5,7 +5,15 @@ connections, the code ``ftc10d launch`` runs) spread over ``--procs`` processes,
 ``--ranks`` simulated ranks connected to its Unix socket and speaking the real protocol
 (hello, heartbeats, configurations received). The store is a real coordinator TCPStore in
 its own process (``ftc10d coordinator --no-detect``: the agents' rings are the detection),
-or with ``--etcd`` a real single-member etcd.
+or with ``--etcd`` a real single-member etcd. The coordinator detects lapsed heartbeats, as
+under ``ftc10d launch`` (one read of every node's heartbeat per ``timeout / 40``; the agents
+then read their ring only every ``timeout / 4``); ``--no-coordinator-detect`` leaves detection
+to the agents' rings (full pace), as on etcd.
+
+One process hosts many agents, and what a real node does once for itself (decode a new
+record: O(ranks) to build the member list and check its digest) such a process does once for
+all its agents (:data:`ftc10d.membership.agreement._DECODED`). That per-node cost is measured
+on its own and reported beside the figures (a real node adds it, in parallel with the others).
 
 What is simulated, and how it differs from a real job: the ranks are not ``Member``
 objects (one per process would be 32,768 processes): each is a socket that heartbeats its
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import resource
 import selectors
@@ -123,6 +132,7 @@ def sim_process(idx: int, nprocs: int, port: int, opts: dict[str, Any]) -> dict[
     from ftc10d.membership.agreement import mem_key
     from ftc10d.membership.store import requests_made
 
+    logging.basicConfig(level=logging.WARNING, format=f"sim{idx} %(asctime)s %(levelname)s %(message)s")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     threading.stack_size(256 << 10)
@@ -209,7 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         store_pid = etcd.proc.pid
     else:
         opts["store_port"] = _free_port()
-        coord = _start_coordinator(opts["store_port"], detect=False)
+        coord = _start_coordinator(opts["store_port"], detect=args.coordinator_detect, timeout=args.timeout)
         store_pid = coord.pid
     job = None
     try:
@@ -248,6 +258,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report_ms = (time.monotonic() - t_exit) * 1e3
         e1 = rep.config.epoch if rep.config is not None else e0 + 1
         _holding(control, args.procs, e1, size, 120)
+        # What each real node pays on its own for that change: verify and apply the record.
+        decode_ms = _decode_cost(store, signer, e1)
         # A node's silence.
         silent = nodes[len(nodes) // 3]
         control.set("silence", silent)
@@ -296,8 +308,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "silence_p99": percentile(silence_lat, 99) if silence_lat else None,
         "silence_first": silence_lat[0] if silence_lat else None,
         "silence_n": len(silence_lat),
-        "other_changes": spurious,
+        "other_changes": spurious, "decode_ms": decode_ms,
+        "detector": "coordinator + rings (backup)" if args.coordinator_detect and not args.etcd else "rings",
     }
+
+
+def _decode_cost(store: Any, signer: Any, epoch: int) -> float:
+    """Median ms to verify the record of ``epoch`` and apply it to its predecessor, as one node
+    does it (no shared decode)."""
+    from ftc10d.membership import Agreement
+    from ftc10d.membership.agreement import Configuration, cfg_key
+
+    base = Agreement(store, signer).read_config(epoch - 1)
+    assert base is not None
+    raw = store.get(cfg_key(epoch))
+    times = []
+    for _ in range(5):
+        fresh = Configuration(epoch=base.epoch, uuid=base.uuid, handles=base.handles, members=base.members,
+                              incarnation=base.incarnation, full_epoch=base.full_epoch)  # no cached index
+        t = time.perf_counter()
+        body = signer.decode(cfg_key(epoch), raw)
+        cfg = Configuration.from_body(body, epoch, fresh) if body is not None else None
+        times.append((time.perf_counter() - t) * 1e3)
+        if cfg is None:
+            raise RuntimeError(f"record {epoch} did not apply to its base")
+    return sorted(times)[2]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -309,16 +344,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--poll", type=float, default=0.02, help="the agents' poll of the next configuration (TCPStore)")
     ap.add_argument("--window", type=float, default=5.0, help="seconds of steady state measured")
     ap.add_argument("--etcd", action="store_true", help="a single-member etcd instead of the TCPStore")
+    ap.add_argument("--no-coordinator-detect", dest="coordinator_detect", action="store_false",
+                    help="TCPStore: the coordinator only hosts the store; the agents' rings detect at full pace")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     r = run(args)
     print(f"{args.nodes} node agents x {args.ranks} ranks ({r['ranks']} ranks), {r['store']} store, heartbeat "
-          f"timeout {args.timeout:g} s, poll {args.poll * 1e3:g} ms, {args.procs} processes; {machine()}")
+          f"timeout {args.timeout:g} s, detection: {r['detector']}, {args.procs} processes; {machine()}")
     rows = [
         ["first configuration formed (all ranks hold it)", f"{r['formed_s']:.1f} s"],
         ["store requests/s, steady state (per node)", f"{r['requests_per_s']:.0f} ({r['per_node']:.1f})"],
         ["store process CPU, steady state", f"{r['store_cpu'] * 100:.0f}% of a core"],
         ["a rank's exit: report_exit agreed", f"{r['report_ms']:.0f} ms"],
+        ["  a node verifies and applies that record (each node, in parallel)", f"{r['decode_ms']:.1f} ms"],
         [f"  -> every rank holds it: p50 / p99 / max ({r['exit_n']} ranks)",
          f"{r['exit_p50']:.0f} / {r['exit_p99']:.0f} / {r['exit_max']:.0f} ms"],
         [f"a node's silence -> every other rank holds its removal: first / p50 / p99 ({r['silence_n']})",

@@ -106,3 +106,47 @@ def test_a_record_is_decoded_once_per_process_and_forgeries_are_not(tmp_path: ob
         forged = raw2.replace(b'"uuid":102', b'"uuid":103')
         assert forged != raw2
         assert Agreement(co.membership_store(), Signer("job-token")).read_config(2, raw=forged) is None
+
+
+def test_big_chains_are_deltas_with_a_full_copy_aside_every_full_every_epochs() -> None:
+    """Readers that follow the chain read only deltas (a periodic full record in the chain was
+    ~2 MB at 32,768 ranks, read by every node); a reader with no base (a joiner) finds its base
+    in the full copy written every FULL_EVERY epochs, without walking to the first record."""
+    from ftc10d.membership import agreement
+    from ftc10d.membership.agreement import FULL_EVERY, Agreement, snapshot_key
+    from ftc10d.membership.store import requests_made
+    from ftc10d.membership.tcp import Coordinator
+
+    signer = Signer("t")
+    with Coordinator(detect=False, notify=False, token="t") as co:
+        writer = Agreement(co.membership_store(), signer)
+        ids = _ids(N)
+        prev = None
+        last = FULL_EVERY * 2 + 5
+        for e in range(1, last + 1):
+            cfg = Configuration(epoch=e, uuid=1000 + e, handles=tuple(f"h-{m}" for m in ids), members=tuple(ids),
+                                incarnation="inc")
+            ok, got = writer._install(cfg, prev)
+            assert ok and got is not None
+            prev = got
+            ids = ids[1:] + [f"n{e + 1}.0000"]
+        store = co.membership_store()
+        kinds = {e: "members" in signer.decode(cfg_key(e), store.get(cfg_key(e))) for e in range(1, last + 1)}
+        assert kinds[1] and not any(kinds[e] for e in range(2, last + 1)), kinds
+        snaps = [e for e in range(1, last + 1) if store.get(snapshot_key(e)) is not None]
+        assert snaps == [1 + FULL_EVERY, 1 + 2 * FULL_EVERY], snaps
+        # A joiner: no base cached. It reads back to the last full copy, not to epoch 1.
+        agreement._DECODED.clear()  # this process decoded nothing of it: a real joiner's position
+        joiner = Agreement(co.membership_store(), Signer("t"))
+        before = requests_made()
+        top = joiner.read_config(last)
+        reads = requests_made() - before
+        assert top is not None and top.members == prev.members and top.digest == prev.digest
+        assert reads <= 2 * (last - snaps[-1]) + 4, reads
+        # A forged full copy is not a base: the joiner walks the chain instead.
+        store.put(snapshot_key(snaps[-1]), Signer("forger").encode(snapshot_key(snaps[-1]), prev.to_body()))
+        agreement._DECODED.clear()
+        before = requests_made()
+        again = Agreement(co.membership_store(), Signer("t")).read_config(last)
+        assert again is not None and again.members == prev.members
+        assert requests_made() - before > reads  # it did walk further back

@@ -262,3 +262,22 @@ def test_a_confirmed_exit_needs_no_majority(coordinator: Coordinator) -> None:
     finally:
         for m in members:
             m.close()
+
+
+@needs_etcd
+def test_a_record_past_etcds_request_limit_is_a_clear_error() -> None:
+    """At ~20,000 ranks a full configuration record passes etcd's default --max-request-bytes
+    (1.5 MiB): say so, and how to raise it, instead of an opaque etcd error (here an etcd
+    started with a 64 KiB limit and a 100 KB record)."""
+    from ftc10d.membership import EtcdMembershipStore
+    from ftc10d.types import MembershipError
+
+    cluster = EtcdCluster(1, flags=["--max-request-bytes", "65536"]).start()
+    try:
+        store = EtcdMembershipStore(cluster.endpoints, prefix=f"/big{time.monotonic_ns()}/")
+        with pytest.raises(MembershipError, match="--max-request-bytes"):
+            store.put("cfg/000000000001", b"x" * 100_000)
+        store.put("small", b"ok")  # nothing else broke
+        assert store.get("small") == b"ok"
+    finally:
+        cluster.stop()

@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from ftc10d.chaos.coordinator import free_port
 
@@ -56,11 +56,13 @@ class EtcdCluster:
     data dirs and logs (created; removed by :meth:`stop`), a fresh one on tmpfs by default."""
 
     def __init__(self, n: int = 1, *, hosts: Optional[list[str]] = None, netns: Optional[dict[int, str]] = None,
-                 extra_client_hosts: Optional[dict[int, list[str]]] = None, base: Optional[str] = None) -> None:
+                 extra_client_hosts: Optional[dict[int, list[str]]] = None, base: Optional[str] = None,
+                 flags: Sequence[str] = ()) -> None:
         if ETCD is None:
             raise RuntimeError(SKIP_REASON)
         hosts = hosts or ["127.0.0.1"] * n
         netns = netns or {}
+        self.flags = list(flags)  # more etcd flags, e.g. --max-request-bytes
         extra = extra_client_hosts or {}
         if base is None:
             base = tempfile.mkdtemp(prefix="ftc10d-etcd-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -119,7 +121,7 @@ class EtcdCluster:
             "--initial-cluster-token", self.token,
             # Fast elections (and a 1 s minimum lease TTL) for tests on one machine.
             "--heartbeat-interval", "50", "--election-timeout", "500",
-            "--logger", "zap", "--log-level", "error",
+            "--logger", "zap", "--log-level", "error", *self.flags,
         ]
         if node.netns:
             cmd = ["ip", "netns", "exec", node.netns] + cmd

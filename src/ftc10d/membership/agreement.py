@@ -71,9 +71,12 @@ KEY_INC = "inc"
 KEY_START = "start"
 KEY_HEAD = "head"
 
-#: Configurations up to this size are always written in full; bigger ones as deltas...
+#: Configurations up to this size are always written in full; bigger ones as deltas
+#: against their predecessor...
 FULL_LIMIT = 64
-#: ...with a full record at least every this many epochs (bounds a reader's walk back).
+#: ...and every this many epochs a full copy beside the delta, under ``full/<epoch>``: it
+#: bounds the walk back of a reader that holds no base (a joiner), while the readers that
+#: follow the chain never read it (at 32,768 ranks a full record is ~2 MB, read by every node).
 FULL_EVERY = 16
 
 #: Removal reasons that are facts, not suspicions: they do not need a majority.
@@ -84,7 +87,9 @@ CONFIRMED = frozenset({"exit", "left", "superseded"})
 #: that verified once (signature, and its digest, which pins the whole member list) is the
 #: same configuration for every reader. A process that hosts many node agents (the scale
 #: benchmark, tests) decodes each record once; a launcher's agent, once for its threads.
+#: Keyed by a digest of the record (not the record: a full one is megabytes at 32,768 ranks).
 _DECODED: "OrderedDict[tuple[str, str, bytes], Configuration]" = OrderedDict()
+_DECODING: dict[tuple[str, str, bytes], threading.Event] = {}
 _DECODED_LOCK = threading.Lock()
 DECODED_KEEP = 8
 
@@ -102,6 +107,11 @@ def unit_of(member_id: str) -> str:
 def hb_key(member_id: str) -> str:
     """Where the liveness of ``member_id`` is written: its own counter, or its node's."""
     return f"hb/{unit_of(member_id)}"
+
+
+def snapshot_key(epoch: int) -> str:
+    """The full copy of a configuration written as a delta (every ``FULL_EVERY`` epochs)."""
+    return f"full/{epoch:012d}"
 
 
 def mem_key(member_id: str) -> str:
@@ -193,19 +203,22 @@ class Configuration:
         text = "\n".join(map("{} {}".format, self.members, self.handles))
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
-    def to_body(self, prev: Optional["Configuration"] = None) -> dict[str, Any]:
+    def to_body(self, prev: Optional["Configuration"] = None, snapshot: bool = False) -> dict[str, Any]:
         """The record of this configuration: the full member list, or, for a big one whose
         predecessor is ``prev``, only what changed (``removed``/``added``). At 4,096 members
-        the full list is ~250 KB, and every member reads every record: a delta is ~100 B."""
+        the full list is ~250 KB, and every member reads every record: a delta is ~100 B.
+        ``snapshot``: a full copy is written beside this delta (``snapshot_key``)."""
         body: dict[str, Any] = {
             "kind": "config", "epoch": self.epoch, "uuid": self.uuid, "inc": self.incarnation,
             "joins": self.joins_upto, "min": self.min_members, "reason": self.reason,
             "size": self.size, "digest": self.digest,
         }
         delta = (prev is not None and prev.epoch == self.epoch - 1 and prev.incarnation == self.incarnation
-                 and self.size > FULL_LIMIT and self.epoch - prev.full_epoch < FULL_EVERY)
+                 and self.size > FULL_LIMIT)
         if delta:
             assert prev is not None
+            if snapshot:
+                body["snap"] = True
             keep = set(self.members)
             old = set(prev.members)
             body["base"] = prev.epoch
@@ -269,7 +282,7 @@ class Configuration:
                 else:
                     ids = prev.members + tuple(new_ids)
                     handles = prev.handles + tuple(new_handles)
-                full_epoch = prev.full_epoch
+                full_epoch = epoch if body.get("snap") is True else prev.full_epoch
         except (KeyError, TypeError):
             return None
         cfg = cls(
@@ -382,6 +395,7 @@ class Agreement:
         self._inc: Optional[str] = None
         self._inc_conn = -1  # the store's connection_epoch when _inc was read
         self._cache: dict[tuple[str, int], Configuration] = {}
+        self._raws: dict[tuple[str, int], bytes] = {}  # the records of what is in _cache
         self._round: Optional[tuple[Configuration, dict[str, str], list[tuple[int, str]]]] = None
 
     # ------------------------------------------------------------------ reads
@@ -428,12 +442,28 @@ class Agreement:
             raw = self.store.get(key)
         if raw is None:
             return None
-        memo = (self.signer.key_id, key, raw)
-        with _DECODED_LOCK:
-            known = _DECODED.get(memo)
-        if known is not None:
-            self.remember(known)
-            return known
+        memo = (self.signer.key_id, key, hashlib.blake2b(raw, digest_size=20).digest())
+        while True:
+            with _DECODED_LOCK:
+                known = _DECODED.get(memo)
+                busy = _DECODING.get(memo) if known is None else None
+                if known is None and busy is None:
+                    _DECODING[memo] = mine = threading.Event()
+            if known is not None:
+                self.remember(known)
+                self._raws[(known.incarnation, epoch)] = raw
+                return known
+            if busy is None:
+                break
+            busy.wait(10.0)  # another thread decodes the same record: use its result
+        try:
+            return self._decode_config(epoch, key, raw, memo)
+        finally:
+            with _DECODED_LOCK:
+                _DECODING.pop(memo, None)
+            mine.set()
+
+    def _decode_config(self, epoch: int, key: str, raw: bytes, memo: tuple[str, str, bytes]) -> Optional[Configuration]:
         body = self.signer.decode(key, raw)
         if body is None:
             return None
@@ -441,7 +471,7 @@ class Agreement:
         if "members" not in body and isinstance(body.get("base"), int) and body["base"] == epoch - 1:
             prev = self._cache.get((str(body.get("inc")), epoch - 1))
             if prev is None and epoch - 1 >= 1:
-                prev = self.read_config(epoch - 1)
+                prev = self._read_snapshot(epoch - 1, str(body.get("inc"))) or self.read_config(epoch - 1)
         cfg = Configuration.from_body(body, epoch, prev)
         if cfg is None:
             self.signer._reject(key, str(body)[:200].encode(), "not a valid configuration")
@@ -451,7 +481,24 @@ class Agreement:
             while len(_DECODED) > DECODED_KEEP:
                 _DECODED.popitem(last=False)
         self.remember(cfg)
+        self._raws[(cfg.incarnation, epoch)] = raw
         return cfg
+
+    def _read_snapshot(self, epoch: int, inc: str) -> Optional[Configuration]:
+        """The full copy of ``epoch`` if one was written (a base for the delta after it)."""
+        key = snapshot_key(epoch)
+        body = self.signer.decode(key, self.store.get(key))
+        if body is None or "members" not in body:
+            return None
+        cfg = Configuration.from_body(body, epoch)
+        if cfg is None or cfg.incarnation != inc:
+            return None
+        self.remember(cfg)
+        return cfg
+
+    def raw_of(self, cfg: Configuration) -> Optional[bytes]:
+        """The record ``cfg`` was read from, if this agreement read it (saves reading it again)."""
+        return self._raws.get((cfg.incarnation, cfg.epoch))
 
     def remember(self, cfg: Configuration) -> None:
         """Keep ``cfg`` as the base for reading the next delta record."""
@@ -459,6 +506,10 @@ class Agreement:
         if len(self._cache) > 2 * FULL_EVERY:
             for k in sorted(self._cache, key=lambda k: k[1])[: len(self._cache) - FULL_EVERY]:
                 del self._cache[k]
+                self._raws.pop(k, None)
+        if len(self._raws) > 4 * FULL_EVERY:
+            for k in sorted(self._raws, key=lambda k: k[1])[: len(self._raws) - FULL_EVERY]:
+                del self._raws[k]
 
     def latest(self, hint: Optional[int] = None) -> Optional[Configuration]:
         """The newest valid configuration of this incarnation (None before the first one).
@@ -572,11 +623,11 @@ class Agreement:
                  prev: Optional[Configuration] = None) -> tuple[bool, Optional[Configuration]]:
         """Create ``cfg/<epoch>``; a slot holding a bad record is taken over by CAS."""
         key = cfg_key(cfg.epoch)
-        if prev is not None and cfg.size > FULL_LIMIT and cfg.epoch - prev.full_epoch < FULL_EVERY:
-            cfg = replace(cfg, full_epoch=prev.full_epoch)
-        else:
-            cfg = replace(cfg, full_epoch=cfg.epoch)
-        value = self.signer.encode(key, cfg.to_body(prev))
+        delta = (prev is not None and prev.epoch == cfg.epoch - 1 and prev.incarnation == cfg.incarnation
+                 and cfg.size > FULL_LIMIT)
+        snap = delta and prev is not None and cfg.epoch - prev.full_epoch >= FULL_EVERY
+        cfg = replace(cfg, full_epoch=prev.full_epoch if delta and not snap and prev is not None else cfg.epoch)
+        value = self.signer.encode(key, cfg.to_body(prev if delta else None, snapshot=snap))
         for _ in range(4):
             ok, now = self.store.create(key, value)
             if ok:
@@ -589,6 +640,11 @@ class Agreement:
                 break
         else:
             return False, None
+        if snap:
+            try:  # a joiner's base; the chain's readers never need it (lost: their walk is longer)
+                self.store.put(snapshot_key(cfg.epoch), self.signer.encode(snapshot_key(cfg.epoch), cfg.to_body()))
+            except Exception:
+                logger.debug("could not write the full copy of %s", cfg, exc_info=True)
         if not self.store.lists_keys:
             try:
                 self.store.put(KEY_HEAD, self.signer.encode(KEY_HEAD, {"epoch": cfg.epoch}))

@@ -40,7 +40,7 @@ from typing import Any, Optional, Union
 import requests
 
 from ftc10d.membership.store import Head, MembershipStore, count_request
-from ftc10d.types import InvalidOptionError, StoreUnavailableError
+from ftc10d.types import InvalidOptionError, MembershipError, StoreUnavailableError
 
 logger = logging.getLogger("ftc10d")
 
@@ -147,6 +147,12 @@ class EtcdMembershipStore(MembershipStore):
                 text = getattr(exc, "detail_text", "") or str(exc)
                 if "lease not found" in text:
                     raise _LeaseNotFound(text) from exc
+                if "request is too large" in text:
+                    size = len(json.dumps(payload))
+                    raise MembershipError(
+                        f"etcd {self.endpoints[i]} refused a {size}-byte request ({text}): a configuration "
+                        "record lists every rank (~70 bytes each), past etcd's --max-request-bytes (1.5 MiB by "
+                        "default) above ~20,000 ranks. Start etcd with --max-request-bytes=8388608 (8 MiB).") from exc
                 errors.append(f"{self.endpoints[i]}: {text}")
         raise StoreUnavailableError(f"etcd {self.describe()} unavailable: " + "; ".join(errors)[:600])
 

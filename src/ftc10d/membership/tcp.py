@@ -65,6 +65,9 @@ class TCPMembershipStore(MembershipStore):
 
     Reconnects once per call when the connection breaks (the coordinator
     restarted); raises :class:`ftc10d.StoreUnavailableError` if that fails.
+    Threads may share one (torch's client runs one request at a time; a node
+    agent's threads share their node's connection): a broken connection is
+    replaced once, whichever thread saw it break.
     """
 
     kind = "tcp"
@@ -88,6 +91,7 @@ class TCPMembershipStore(MembershipStore):
         self.poll_interval = POLL_S
         self._client: Optional[dist.TCPStore] = None
         self._ever_connected = False
+        self._client_lock = threading.Lock()
 
     def clone(self) -> "TCPMembershipStore":
         twin = TCPMembershipStore(self.host, self.port, prefix=self.prefix, timeout=self.timeout,
@@ -133,16 +137,22 @@ class TCPMembershipStore(MembershipStore):
     def _call(self, fn: Callable[[dist.TCPStore], T]) -> T:
         count_request()
         for attempt in range(2):
-            if self._client is None:
-                self._client = self._connect()
+            client = self._client
+            if client is None:
+                with self._client_lock:
+                    if self._client is None:
+                        self._client = self._connect()
+                    client = self._client
             try:
-                return fn(self._client)
+                return fn(client)
             except StoreUnavailableError:
                 raise
             except Exception as exc:
                 if _is_timeout(exc):
                     raise
-                self._client = None  # broken connection: reconnect once
+                with self._client_lock:
+                    if self._client is client:
+                        self._client = None  # broken connection: reconnect once
                 if attempt == 1:
                     raise StoreUnavailableError(f"membership store {self.describe()}: {exc}") from exc
         raise AssertionError("unreachable")
@@ -243,6 +253,20 @@ POLL_S = 0.02
 # ================================================================ coordinator
 
 
+def _raise_fd_limit() -> None:
+    """A coordinator holds a connection per node agent (and the notifier one more): 4,096 nodes
+    are past the usual soft limit of 1,024 open files. Raise it to the hard limit."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            logger.debug("membership coordinator: open files limit %s -> %s", soft, hard)
+    except (ImportError, ValueError, OSError) as exc:
+        logger.info("membership coordinator: could not raise the open files limit: %s", exc)
+
+
 class Coordinator:
     """Hosts the membership TCPStore, bound to ``host`` (loopback by default).
 
@@ -284,6 +308,7 @@ class Coordinator:
         self.detections = 0
 
     def start(self) -> "Coordinator":
+        _raise_fd_limit()
         sock = listen_socket(self.host, self._port)
         self._port = sock.getsockname()[1]
         self._master = dist.TCPStore(
