@@ -10,16 +10,21 @@ are alive to everyone who looks; when it stops, all of them lapse together.
 The agent does for the node what every rank did for itself:
 
 - **beat**: writes ``hb/<node>`` every ``heartbeat_interval`` (renews the etcd lease).
-- **watch**: waits for the next configuration slot -- woken by the coordinator's
-  hint (:mod:`ftc10d.membership.notify`: one poll per job), else one store poll per
-  node, never one per rank -- and pushes each record to its workers over the local channel
-  (:mod:`ftc10d.membership.local`); announces a store reconnection so that the
+- **watch**: waits for the next configuration -- pushed with the coordinator's hint
+  (:mod:`ftc10d.membership.notify`: one poll and one read per job), else one store poll
+  per node, never one per rank -- and pushes each record to its workers over the local
+  channel (:mod:`ftc10d.membership.local`); announces a store reconnection so that the
   workers look at its incarnation (a store that lost its state is re-formed).
 - **detect**: reads the heartbeats of its ``watchers`` ring successors among
   the configuration's *nodes* and proposes the removal of every rank of a node
-  that lapsed; and watches its own workers' local heartbeats, proposing the
-  removal of a rank that stopped beating (a frozen process in a live node:
-  fenced like any removed member when it resumes).
+  that lapsed (a backup read every ``timeout / 4`` while the coordinator announces
+  that it reads every node's heartbeat); and watches its own workers' local
+  heartbeats, proposing the removal of a rank that stopped beating (a frozen
+  process in a live node: fenced like any removed member when it resumes).
+
+On a TCPStore the threads share the agent's one store connection (nobody blocks in
+the store: waits are polls or hints): a node costs the store one connection and ~10
+requests a second at a 1-s timeout, whatever its number of ranks.
 - **io**: one thread serves the local channel (accept, read, buffered writes),
   so that a frozen worker's full socket never blocks the agent.
 
