@@ -17,8 +17,8 @@ on its own and reported beside the figures (a real node adds it, in parallel wit
 
 What is simulated, and how it differs from a real job: the ranks are not ``Member``
 objects (one per process would be 32,768 processes): each is a socket that heartbeats its
-agent every ``timeout / 4`` (a real rank: every ``timeout / 10``; local traffic only, the
-store never sees it) and timestamps each configuration pushed to it (a real rank then also
+agent every ``--rank-beat`` timeouts (default 1/4; a real rank: every ``timeout / 10``; local
+traffic only, the store never sees it) and timestamps each configuration pushed to it (a real rank then also
 checks its signature, ~10 us). Every rank is admitted through the real join path (its
 ``mem/`` record, the join log, ``Agreement.propose_first``). Nothing of the agents is
 simplified: they poll, read their ring successors and heartbeat as they do under the launcher.
@@ -195,7 +195,7 @@ def sim_process(idx: int, nprocs: int, port: int, opts: dict[str, Any]) -> dict[
             info = MemberInfo(id=mid, handle=f"ftc10d/v1/sim/{a.id}/{j}", host="sim", pid=0)
             rs.put(mem_key(mid), signer.encode(mem_key(mid), info.to_body()), leased=True)
             rs.append_join(mid)
-    sim = RankSim(agents, opts["ranks"], opts["timeout"] / 4)
+    sim = RankSim(agents, opts["ranks"], opts["timeout"] * opts["rank_beat"])
     control.set(f"agents/{idx}", json.dumps([a.id for a in agents]))
     last = 0
     while not control.check(["stop"]):
@@ -252,7 +252,8 @@ def _holding(control: Any, procs: int, epoch: int, want: int, timeout: float) ->
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from ftc10d.membership import Agreement, Signer
 
-    opts: dict[str, Any] = {"nodes": args.nodes, "ranks": args.ranks, "timeout": args.timeout, "poll": args.poll}
+    opts: dict[str, Any] = {"nodes": args.nodes, "ranks": args.ranks, "timeout": args.timeout, "poll": args.poll,
+                            "rank_beat": args.rank_beat}
     coord = etcd = None
     if args.etcd:
         etcd = Etcd()
@@ -384,6 +385,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=1.0, help="heartbeat timeout (s)")
     ap.add_argument("--poll", type=float, default=0.02, help="the agents' poll of the next configuration (TCPStore)")
     ap.add_argument("--window", type=float, default=5.0, help="seconds of steady state measured")
+    ap.add_argument("--rank-beat", type=float, default=0.25,
+                    help="a simulated rank beats its agent every this many timeouts (a real rank: 0.1; local "
+                         "traffic only, but here it shares the 2 cores with the store and every agent)")
     ap.add_argument("--etcd", action="store_true", help="a single-member etcd instead of the TCPStore")
     ap.add_argument("--no-coordinator-detect", dest="coordinator_detect", action="store_false",
                     help="TCPStore: the coordinator only hosts the store; the agents' rings detect at full pace")

@@ -325,6 +325,10 @@ class NodeAgent:
         hints: Optional[HintClient] = None
         hinted = 0  # the highest epoch hinted (several may come in one read)
         carried: dict[int, bytes] = {}  # records pushed with their hints, not yet taken
+        # A lost hint costs at most this (a hint cannot be lost on a live TCP connection but for
+        # a bug; a closed one is seen at once): a second, or the timeout if longer, so that a
+        # job of thousands of nodes with a long timeout does not pay it in requests.
+        safety = max(SAFETY_POLL_S, self.heartbeat_timeout)
         next_try = 0.0
         while not self._stop.is_set():
             try:
@@ -341,7 +345,7 @@ class NodeAgent:
                         # every 20 ms (4,096 agents waiting for a job to form: 200,000 requests/s).
                         if hints is not None:
                             try:
-                                hints.wait(SAFETY_POLL_S)
+                                hints.wait(safety)
                             except OSError:
                                 hints.close()
                                 hints = None
@@ -356,10 +360,10 @@ class NodeAgent:
                 if hints is not None:
                     # The coordinator polls for the whole job and pushes each new record (a big
                     # one: its epoch only): no store request per change, and one per
-                    # SAFETY_POLL_S in case a hint was lost.
+                    # ``safety`` in case a hint was lost.
                     try:
                         if hinted <= cur.epoch:
-                            for e, r in hints.wait(SAFETY_POLL_S):
+                            for e, r in hints.wait(safety):
                                 hinted = max(hinted, e)
                                 if r is not None and e > cur.epoch and len(carried) < 64:
                                     carried[e] = r
@@ -374,7 +378,7 @@ class NodeAgent:
                     carried_raw = raw is not None
                     for e in [e for e in carried if e <= cur.epoch]:
                         del carried[e]
-                    if raw is None:  # hinted without its record, or a quiet SAFETY_POLL_S went by
+                    if raw is None:  # hinted without its record, or a quiet ``safety`` went by
                         raw = store.get(cfg_key(cur.epoch + 1))
                         if raw is None:
                             hinted = min(hinted, cur.epoch)  # a hint of another incarnation, or a forged one

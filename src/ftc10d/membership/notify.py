@@ -39,7 +39,8 @@ logger = logging.getLogger("ftc10d")
 
 #: Key (under the membership prefix) holding the notifier's port.
 NOTIFY_KEY = "notify"
-#: A hinted agent still looks for the next configuration this often (a lost hint, a dead notifier).
+#: A hinted agent still looks for the next configuration this often, or every heartbeat timeout
+#: if that is longer (a lost hint, a dead notifier).
 SAFETY_POLL_S = 1.0
 #: Key (under the membership prefix) present while the coordinator's detector reads every heartbeat.
 DETECTOR_KEY = "detector"
