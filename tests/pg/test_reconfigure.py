@@ -388,3 +388,44 @@ def _native_api(rank: int, world: int, port: int) -> tuple:
 def test_torch_native_reconfigure_api_drives_our_group() -> None:
     res = harness.run(_native_api, 2)
     assert all(v == (12, 2, 1.0) for v in res.values())
+
+
+CONNECT_S = 10.0  # the group's (connect) timeout in the next test
+
+
+def _abandon_while_connecting(rank: int, world: int, port: int) -> tuple:
+    store = harness.client_store(port)
+    pg = ftc10d.ProcessGroup(store, rank, world, timeout=timedelta(seconds=CONNECT_S))
+    handles = harness.exchange(store, "h", rank, pg.get_reconfigure_handle(), world)
+    if rank == world - 1:
+        # Arrives (its slot, as the rendezvous writes it) and never connects: a member that
+        # froze, or went on to a newer configuration, between its arrival and its connect.
+        store.set(f"ftc10d/cfg/9/rank/{rank}", f"{handles[rank]}|{rank}")
+        harness.store_barrier(store, "gave-up", rank, world)
+        ftc10d.reconfigure(10, handles, group=pg)
+        return 0.0, _sum_of_ranks(pg)
+    import threading
+
+    if rank == 0:  # its membership moves on while the connect waits: abort() from another thread
+        threading.Timer(1.5, pg.abort).start()
+    t0 = time.monotonic()
+    with pytest.raises((ftc10d.ReconfigureAbandonedError, ftc10d.ReconfigureConnectError)):
+        ftc10d.reconfigure(9, handles, group=pg)  # everyone arrived; rank 2 never connects
+    waited = time.monotonic() - t0
+    harness.store_barrier(store, "gave-up", rank, world)
+    ftc10d.reconfigure(10, handles, group=pg)  # a fresh uuid connects everyone
+    return waited, _sum_of_ranks(pg)
+
+
+def test_abort_gives_a_rendezvous_up_while_its_members_connect() -> None:
+    """Chaos (issue 28's FT-HSDP run): every member of a configuration arrived, one went on to
+    a newer configuration before connecting, and another stayed 38 s in Gloo's full-mesh
+    connect, which cannot be interrupted; its peers then removed it as a no-show (the last
+    holder of a shard). Now the connect can be given up like the wait before it: rank 0's
+    abort() returns its reconfigure at once (ReconfigureAbandonedError), and everyone
+    connects on a fresh uuid. (Rank 1, not aborted, fails when its connect does.)"""
+    res = harness.run(_abandon_while_connecting, 3, timeout=120)
+    waited0 = res[0][0]
+    assert waited0 < CONNECT_S / 2, f"rank 0 waited {waited0:.1f} s in a connect it had given up"
+    for r in range(3):
+        assert res[r][1] == 3.0

@@ -613,6 +613,60 @@ def _wait_unless_abandoned(store: dist.Store, keys: list[str], plan: Plan,
                 raise
 
 
+def _connect(adapter: type[Communicator], store: dist.Store, plan: Plan,
+             pending: Optional[PendingRendezvous]) -> Communicator:
+    """``adapter.connect``, which the membership can still give up (``pending``).
+
+    Every member arrived, so every member connects: but one may go on to a newer
+    configuration half-way (it connected, then aborted; or it froze), and Gloo's
+    full-mesh connect then waits for a pair that will never complete, for as long as
+    its own timeout, and cannot be interrupted (chaos: a rank stuck 38 s in the connect
+    of a configuration its peers had left 8 ms after they reached it; the others then
+    removed it as a no-show, the last holder of a shard). So the connect runs on a
+    helper thread: given up, this returns at once, and the helper releases whatever
+    the connect makes when it ends (its peers, who moved on, never use it either)."""
+    if pending is None:
+        return adapter.connect(store, plan.rank, plan.size, plan.timeout)
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            box["comm"] = adapter.connect(store, plan.rank, plan.size, plan.timeout)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller (or dropped, if it left)
+            box["exc"] = exc
+        with lock:
+            done.set()
+            orphan = box.get("left", False)
+        if orphan:
+            comm = box.pop("comm", None)
+            if comm is not None:
+                holder = [comm.retire()]
+                del comm
+                _release(holder)
+            else:
+                with _retiring_lock:
+                    _retiring.discard(threading.current_thread())
+
+    helper = threading.Thread(target=run, name="ftc10d-connect", daemon=True)
+    helper.start()
+    while not done.wait(0.05):
+        if pending.abandoned.is_set():
+            with lock:
+                if not done.is_set():
+                    box["left"] = True
+                    with _retiring_lock:  # the interpreter's exit waits for it, as for a retire
+                        _retiring.add(helper)
+                    raise ReconfigureAbandonedError(
+                        f"reconfigure to uuid {plan.uuid}: the rendezvous was given up while its members "
+                        f"connected ({pending.why}). Reconfigure with the newest configuration (a fresh uuid)"
+                    )
+    if "exc" in box:
+        raise box["exc"]
+    return box["comm"]
+
+
 def _abandoned(plan: Plan, values: list[str]) -> Optional[ReconfigureAbandonedError]:
     for r, value in enumerate(values):
         if value.startswith(ABANDONED):
@@ -682,7 +736,7 @@ def rendezvous(
         store.set(f"{prefix}/sig", f"used:{sig}")
     gen_store = dist.PrefixStore(f"{prefix}/{adapter.name}", store)
     try:
-        comm = adapter.connect(gen_store, plan.rank, plan.size, plan.timeout)
+        comm = _connect(adapter, gen_store, plan, pending)
     except RuntimeError as exc:  # Gloo's connectFullMesh: a member died or froze after it arrived
         raise ReconfigureConnectError(
             f"reconfigure to uuid {plan.uuid}: all {plan.size} members arrived but connecting them failed "
