@@ -406,10 +406,10 @@ def _abandon_while_connecting(rank: int, world: int, port: int) -> tuple:
         return 0.0, _sum_of_ranks(pg)
     import threading
 
-    if rank == 0:  # its membership moves on while the connect waits: abort() from another thread
-        threading.Timer(1.5, pg.abort).start()
+    # Their membership moves on while the connect waits: abort() from another thread.
+    threading.Timer(1.5, pg.abort).start()
     t0 = time.monotonic()
-    with pytest.raises((ftc10d.ReconfigureAbandonedError, ftc10d.ReconfigureConnectError)):
+    with pytest.raises(ftc10d.ReconfigureAbandonedError, match="given up while its members connected"):
         ftc10d.reconfigure(9, handles, group=pg)  # everyone arrived; rank 2 never connects
     waited = time.monotonic() - t0
     harness.store_barrier(store, "gave-up", rank, world)
@@ -421,11 +421,13 @@ def test_abort_gives_a_rendezvous_up_while_its_members_connect() -> None:
     """Chaos (issue 28's FT-HSDP run): every member of a configuration arrived, one went on to
     a newer configuration before connecting, and another stayed 38 s in Gloo's full-mesh
     connect, which cannot be interrupted; its peers then removed it as a no-show (the last
-    holder of a shard). Now the connect can be given up like the wait before it: rank 0's
-    abort() returns its reconfigure at once (ReconfigureAbandonedError), and everyone
-    connects on a fresh uuid. (Rank 1, not aborted, fails when its connect does.)"""
+    holder of a shard). Now the connect can be given up like the wait before it: abort()
+    returns the reconfigure at once (ReconfigureAbandonedError), and everyone connects on a
+    fresh uuid. (Here the connect waits in the store for rank 2's address: the given-up
+    connect still holds the group's store connection until its timeout, so the members'
+    next store request waits for it; in the chaos run it waited on a TCP connect.)"""
     res = harness.run(_abandon_while_connecting, 3, timeout=120)
-    waited0 = res[0][0]
-    assert waited0 < CONNECT_S / 2, f"rank 0 waited {waited0:.1f} s in a connect it had given up"
+    for r in (0, 1):
+        assert res[r][0] < CONNECT_S / 2, f"rank {r} waited {res[r][0]:.1f} s in a connect it had given up"
     for r in range(3):
         assert res[r][1] == 3.0

@@ -23,6 +23,8 @@ Capabilities are class attributes, False/empty by default, like c10d's ``support
 
 from __future__ import annotations
 
+import threading
+
 import enum
 import importlib
 from abc import ABC, abstractmethod
@@ -84,6 +86,12 @@ class Communicator(ABC):
         """Connect ``size`` ranks through ``store`` (this generation's prefix); called by every
         member once the rendezvous agreed. Raises ``RuntimeError`` if a member never connects
         (the caller types it as ``ReconfigureConnectError``)."""
+
+    @classmethod
+    def connect_abandoned(cls, thread: "threading.Thread") -> None:
+        """``thread``'s :meth:`connect` was given up by its rendezvous and may stay in the
+        backend until its timeout: an adapter that serializes connects must not make the
+        next one wait for it (Gloo's fd bookkeeping, :mod:`ftc10d.pg.gloo`)."""
 
     @abstractmethod
     def cut(self) -> int:

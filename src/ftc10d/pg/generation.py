@@ -658,6 +658,7 @@ def _connect(adapter: type[Communicator], store: dist.Store, plan: Plan,
                     box["left"] = True
                     with _retiring_lock:  # the interpreter's exit waits for it, as for a retire
                         _retiring.add(helper)
+                    adapter.connect_abandoned(helper)
                     raise ReconfigureAbandonedError(
                         f"reconfigure to uuid {plan.uuid}: the rendezvous was given up while its members "
                         f"connected ({pending.why}). Reconfigure with the newest configuration (a fresh uuid)"
@@ -737,6 +738,8 @@ def rendezvous(
     gen_store = dist.PrefixStore(f"{prefix}/{adapter.name}", store)
     try:
         comm = _connect(adapter, gen_store, plan, pending)
+    except ReconfigureAbandonedError:
+        raise
     except RuntimeError as exc:  # Gloo's connectFullMesh: a member died or froze after it arrived
         raise ReconfigureConnectError(
             f"reconfigure to uuid {plan.uuid}: all {plan.size} members arrived but connecting them failed "

@@ -13,7 +13,11 @@ pairs. We remember each pair socket's inode and, at abort, shut down only a
 descriptor that still refers to that inode (a closed descriptor number may be
 reused by anything else in the meantime). Connecting is serialised by a module
 lock so two configurations created by different threads of this process do not
-claim each other's sockets.
+claim each other's sockets -- except behind a connect its rendezvous gave up
+(``connect_abandoned``): that one may stay in Gloo until its timeout, and the next
+configuration must not wait for it. The next connect then goes ahead without the
+lock; sockets the abandoned connect opens meanwhile may be counted as the new
+group's, and cutting them at its abort only hastens a connect nobody waits for.
 
 The local endpoints of the pair sockets are published in the store so that a
 peer whose connection fails ("Connection closed by peer [10.0.0.2]:41234") can
@@ -39,6 +43,32 @@ from ftc10d.pg.backend import Communicator, FailureKind
 logger = logging.getLogger("ftc10d")
 
 _CONNECT_LOCK = threading.Lock()
+_connect_holder: Optional[int] = None  # the thread in Gloo's constructor, under _CONNECT_LOCK
+_abandoned_connects: set[int] = set()  # threads whose connect was given up (still in Gloo)
+_abandoned_lock = threading.Lock()
+
+
+def _enter_connect() -> bool:
+    """Take the connect lock, unless its holder is a connect given up by its rendezvous
+    (then go ahead without it: False)."""
+    global _connect_holder
+    while not _CONNECT_LOCK.acquire(timeout=0.05):
+        with _abandoned_lock:
+            if _connect_holder in _abandoned_connects:
+                logger.info("gloo: connecting beside an abandoned connect still in Gloo (thread %s)",
+                            _connect_holder)
+                return False
+    _connect_holder = threading.get_ident()
+    return True
+
+
+def _leave_connect(locked: bool) -> None:
+    global _connect_holder
+    with _abandoned_lock:
+        _abandoned_connects.discard(threading.get_ident())
+    if locked:
+        _connect_holder = None
+        _CONNECT_LOCK.release()
 _ENDPOINT_RE = re.compile(r"\[([0-9a-fA-F.:]+)\]:(\d+)")
 #: What Gloo's errors say when a connection to a peer failed.
 PEER_ERROR_MARKERS = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused",
@@ -152,6 +182,12 @@ class GlooCommunicator(Communicator):
     def connect(cls, store: dist.Store, rank: int, size: int, timeout: timedelta) -> "GlooCommunicator":
         return cls(store, rank, size, timeout)
 
+    @classmethod
+    def connect_abandoned(cls, thread: threading.Thread) -> None:
+        if thread.ident is not None and thread.is_alive():
+            with _abandoned_lock:
+                _abandoned_connects.add(thread.ident)
+
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
@@ -159,10 +195,13 @@ class GlooCommunicator(Communicator):
         self.rank = rank
         self.size = size
         self._store = store
-        with _CONNECT_LOCK:
+        locked = _enter_connect()
+        try:
             before = _socket_inodes()
             self.backend = dist.ProcessGroupGloo(store, rank, size, opts)
             after = _socket_inodes()
+        finally:
+            _leave_connect(locked)
         found = []
         for fd, inode in after.items():
             if before.get(fd) == inode:
