@@ -119,6 +119,11 @@ class Channels(Communicator):
         return ""
 
     @classmethod
+    def connect_abandoned(cls, thread: Any) -> None:
+        for _, sub in cls.specs:  # the thread may be in any channel's connect
+            sub.connect_abandoned(thread)
+
+    @classmethod
     def connect(cls, store: dist.Store, rank: int, size: int, timeout: timedelta) -> "Channels":
         connected: dict[str, Communicator] = {}
         try:

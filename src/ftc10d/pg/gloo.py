@@ -32,6 +32,7 @@ import os
 import re
 import socket
 import threading
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator, Optional
@@ -43,8 +44,8 @@ from ftc10d.pg.backend import Communicator, FailureKind
 logger = logging.getLogger("ftc10d")
 
 _CONNECT_LOCK = threading.Lock()
-_connect_holder: Optional[int] = None  # the thread in Gloo's constructor, under _CONNECT_LOCK
-_abandoned_connects: set[int] = set()  # threads whose connect was given up (still in Gloo)
+_connect_holder: Optional[threading.Thread] = None  # the thread in Gloo's constructor, under _CONNECT_LOCK
+_abandoned_connects: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()  # given up, maybe still in Gloo
 _abandoned_lock = threading.Lock()
 
 
@@ -54,18 +55,18 @@ def _enter_connect() -> bool:
     global _connect_holder
     while not _CONNECT_LOCK.acquire(timeout=0.05):
         with _abandoned_lock:
-            if _connect_holder in _abandoned_connects:
-                logger.info("gloo: connecting beside an abandoned connect still in Gloo (thread %s)",
-                            _connect_holder)
+            holder = _connect_holder
+            if holder is not None and holder in _abandoned_connects and holder.is_alive():
+                logger.info("gloo: connecting beside an abandoned connect still in Gloo (%s)", holder.name)
                 return False
-    _connect_holder = threading.get_ident()
+    _connect_holder = threading.current_thread()
     return True
 
 
 def _leave_connect(locked: bool) -> None:
     global _connect_holder
     with _abandoned_lock:
-        _abandoned_connects.discard(threading.get_ident())
+        _abandoned_connects.discard(threading.current_thread())
     if locked:
         _connect_holder = None
         _CONNECT_LOCK.release()
@@ -184,9 +185,8 @@ class GlooCommunicator(Communicator):
 
     @classmethod
     def connect_abandoned(cls, thread: threading.Thread) -> None:
-        if thread.ident is not None and thread.is_alive():
-            with _abandoned_lock:
-                _abandoned_connects.add(thread.ident)
+        with _abandoned_lock:
+            _abandoned_connects.add(thread)
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
         opts = dist.ProcessGroupGloo._Options()
