@@ -402,6 +402,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="TCPStore: the coordinator only hosts the store; the agents' rings detect at full pace")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    # torch's TCPStore client formats the peer's address with getnameinfo() on every connect,
+    # a reverse DNS lookup; on this VM about 1 in 25 of them waits 5 s for a nameserver that
+    # never answers (measured: 8 of 200 serial connects). Thousands of agents connecting at
+    # start-up then spend minutes in it. glibc's RES_OPTIONS caps the wait at 1 s for every
+    # process this script starts (the coordinator and the agents' processes inherit it).
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
     if args.rank_sockets is None:
         args.rank_sockets = args.ranks
     r = run(args)

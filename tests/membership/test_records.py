@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from ftc10d.membership import records
 from ftc10d.membership.agreement import FULL_LIMIT, Configuration, cfg_key
 from ftc10d.membership.records import Signer
+from ftc10d.types import MembershipError
 
 N = FULL_LIMIT + 36
 
@@ -150,3 +154,22 @@ def test_big_chains_are_deltas_with_a_full_copy_aside_every_full_every_epochs() 
         again = Agreement(co.membership_store(), Signer("t")).read_config(last)
         assert again is not None and again.members == prev.members
         assert requests_made() - before > reads  # it did walk further back
+
+
+def test_a_32768_rank_configuration_fits_one_record_and_an_oversized_one_is_refused_where_written() -> None:
+    # A full record of 4,096 nodes x 8 ranks with real-looking ids and handles is ~2 MB: it was
+    # refused by every reader when the limit was 1 MiB (found by membership_scale at 4,096 nodes).
+    signer = Signer("tok")
+    ids = [f"{n:016x}.{r:04d}" for n in range(4096) for r in range(8)]
+    cfg = Configuration(epoch=1, uuid=7, handles=tuple(f"ftc10d/v1/node-{i // 8:05d}.cluster/{40000 + i}/{i:016x}"
+                                                       for i in range(len(ids))),
+                        members=tuple(ids), incarnation="inc", full_epoch=1)
+    raw = signer.encode(cfg_key(1), cfg.to_body(None))
+    assert len(raw) > 2_000_000
+    body = signer.decode(cfg_key(1), raw)
+    assert body is not None
+    got = Configuration.from_body(body, 1, None)
+    assert got is not None and got.digest == cfg.digest and got.size == len(ids)
+    # Past the limit: a typed error at the writer, naming the size and the limit.
+    with pytest.raises(MembershipError, match="over the limit"):
+        signer.encode(cfg_key(2), {"members": ["x" * 1000] * (records.MAX_RECORD_BYTES // 1000 + 1)})

@@ -24,14 +24,16 @@ import logging
 import os
 from typing import Any, Optional, Union
 
-from ftc10d.types import InvalidOptionError
+from ftc10d.types import InvalidOptionError, MembershipError
 
 logger = logging.getLogger("ftc10d")
 
 #: Environment variable holding the job token (any non-empty string).
 TOKEN_ENV = "FTC10D_TOKEN"
-#: Records are tiny; anything bigger is not ours and is not even parsed.
-MAX_RECORD_BYTES = 1 << 20
+#: The biggest record a reader parses (anything bigger is not ours). The biggest legitimate
+#: one is a full configuration: ~61 bytes per rank (its member id and handle), 2 MB at 32,768
+#: ranks, ~6 MB at 100,000; 32 MiB leaves room for ~500,000 ranks with long host names.
+MAX_RECORD_BYTES = 32 << 20
 _MAX_LOGGED = 256  # distinct bad records remembered (and logged) per signer
 
 
@@ -71,7 +73,15 @@ class Signer:
         out: dict[str, Any] = {"b": body}
         if self._key is not None:
             out["s"] = self._mac(key, text.encode())
-        return json.dumps(out, sort_keys=True, separators=(",", ":")).encode()
+        raw = json.dumps(out, sort_keys=True, separators=(",", ":")).encode()
+        if len(raw) > MAX_RECORD_BYTES:
+            # Written, every reader would refuse it: the job would wait for a record nobody
+            # accepts. Fail where it is written, with the size.
+            raise MembershipError(
+                f"membership record {key!r} is {len(raw)} bytes, over the limit of {MAX_RECORD_BYTES} "
+                f"(ftc10d.membership.records.MAX_RECORD_BYTES): a configuration of this many ranks is "
+                f"beyond what one record holds; use shorter host names or fewer ranks per job")
+        return raw
 
     def decode(self, key: str, raw: Optional[bytes]) -> Optional[dict[str, Any]]:
         """The body of ``raw`` if it is a well-formed record for ``key`` with a good
