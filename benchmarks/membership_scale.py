@@ -298,17 +298,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         store_cpu = (_cpu_seconds(store_pid) - cpu0) / (time.monotonic() - w0)
         reqs = [json.loads(control.get(f"window/{i}")) for i in range(args.procs)]
         rate = sum(n / t for n, t in reqs)
-        # A rank's exit, reported as the launcher does.
-        victim = f"{nodes[len(nodes) // 2]}.0003"
+        # A rank's exit, reported as the launcher does: a rank of a node still in the job (under
+        # overload a starved agent can have been removed already; that change is listed below).
+        now = Agreement(_store(opts), signer).latest()
+        assert now is not None
+        live = [n for n in nodes if f"{n}.0000" in now.member_set]
+        victim = f"{live[len(live) // 2]}.0003"
         t_exit = time.monotonic()
         rep = Agreement(_store(opts), signer).report_exit(handles[victim])
         report_ms = (time.monotonic() - t_exit) * 1e3
-        e1 = rep.config.epoch if rep.config is not None else e0 + 1
+        if rep.config is None or victim in rep.config.member_set:
+            raise RuntimeError(f"the exit of {victim} was not agreed: {rep}")
+        e1 = rep.config.epoch
         _holding(control, args.procs, e1, size, 120)
         # What each real node pays on its own for that change: verify and apply the record.
         decode_ms = _decode_cost(store, signer, e1)
         # A node's silence.
-        silent = nodes[len(nodes) // 3]
+        silent = live[len(live) // 3]
         control.set("silence", silent)
         _wait(control, ["silenced"], 60)
         t_silent = float(control.get("silenced"))
