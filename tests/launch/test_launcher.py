@@ -254,3 +254,31 @@ def test_job_restarts_start_a_job_that_stopped_itself_again(tmp_path: Path, rest
     assert len(jobs) == min(restarts + 1, launches), (jobs, proc.stderr[-2000:])
     assert {p.read_text() for p in tmp_path.iterdir()} == {"0"}  # fresh workers, not respawns
     assert proc.stderr.count("starting it again from its checkpoint") == len(jobs) - 1
+
+
+def test_a_job_stop_on_one_node_stops_every_node(tmp_path: Path) -> None:
+    """A worker exits EXIT_STOP_JOB (StateLostError) on node 1 of 2: node 1's launcher stops and
+    tells the job; node 0's launcher stops its own workers and exits EXIT_STOP_JOB too (found by
+    ``ftc10d chaos --hosts 2``: node 0's workers waited forever for members that were gone)."""
+    from ftc10d.launch import EXIT_STOP_JOB
+
+    env = {"PYTHONPATH": child_env()["PYTHONPATH"]}
+    args = [str(tmp_path), "--sleep", "--exit", str(EXIT_STOP_JOB), "--exit-rank", "2"]
+    coordinator = Coordinator().start()  # the job's, as `ftc10d coordinator` runs it
+    node0 = Launcher(LaunchConfig(script=RECORD, script_args=args, nnodes=2, node_rank=0, nproc_per_node=2,
+                                  max_restarts=3, env=env, coordinator=coordinator.address)).start()
+    try:
+        wait_for(lambda: len(records(tmp_path)) == 2, 60, "node 0's 2 workers")
+        node0_pids = list(records(tmp_path))
+        assert node0.returncode is None, "node 0 must run while node 1 has not stopped the job"
+        with Launcher(LaunchConfig(script=RECORD, script_args=args, nnodes=2, node_rank=1, nproc_per_node=2,
+                                   max_restarts=3, env=env, coordinator=node0.coordinator_address)) as node1:
+            assert node1.wait(60) == EXIT_STOP_JOB
+            assert node0.wait(30) == EXIT_STOP_JOB
+            stopped = [e for e in node0.events if e.kind == "job_stopped"]
+            assert stopped and stopped[0].detail["node_rank"] == 1, kinds(node0.events)
+            assert "gave_up" not in kinds(node0.events) and "respawned" not in kinds(node0.events)
+        assert not [pid for pid in node0_pids if alive(pid)], "node 0's workers must be stopped"
+    finally:
+        node0.close()
+        coordinator.close()

@@ -65,6 +65,10 @@ _FALLBACK_POLL_S = 0.005
 #: Coordinator-store key of the job's etcd prefix (set by the first launcher of the job).
 MEMBERSHIP_PREFIX_KEY = "ftc10d/launch/membership_prefix"
 
+#: Membership-store key of a job-wide stop: a launcher whose worker exited ``EXIT_STOP_JOB``
+#: writes it (a signed record), and every other node's launcher stops its workers too.
+JOB_STOP_KEY = "job/stop"
+
 #: spare.py, run by its path for a cold start (``-m ftc10d.launch.spare`` would import torch first).
 _SPARE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spare.py")
 
@@ -182,6 +186,7 @@ class Launcher:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._stop_signal: Optional[int] = None
+        self._job_stopped: Optional[dict[str, Any]] = None  # another node's stop record, once seen
         self._thread: Optional[threading.Thread] = None
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
@@ -202,6 +207,8 @@ class Launcher:
         self._connect()
         self._thread = threading.Thread(target=self._run, name="ftc10d-launcher", daemon=True)
         self._thread.start()
+        if self.config.nnodes > 1 or self.config.coordinator is not None:
+            threading.Thread(target=self._watch_job_stop, name="ftc10d-launcher-stop-watch", daemon=True).start()
         self._started.wait()
         if self._start_error is not None:
             self.close()
@@ -509,6 +516,11 @@ class Launcher:
                 self._shutdown(sig)
                 self._finish(128 + sig)
                 return
+            if self._job_stopped is not None:
+                self._emit("job_stopped", None, None, **self._job_stopped)
+                self._shutdown(signal.SIGTERM)
+                self._finish(EXIT_STOP_JOB)
+                return
             procs = self._all_procs()
             fds: dict[int, tuple[str, _Proc]] = {}
             fallback = False
@@ -630,8 +642,64 @@ class Launcher:
                          self.config.max_restarts)
         self._emit("gave_up", slot.index, proc.pid, restarts=slot.restarts, returncode=rc, signal=_signal_name(rc),
                    stop_job=rc == EXIT_STOP_JOB)
+        if rc == EXIT_STOP_JOB:
+            self._announce_job_stop(slot.index, proc.pid)
         self._shutdown(signal.SIGTERM)
         self._finish(EXIT_STOP_JOB if rc == EXIT_STOP_JOB else 1)
+
+    def _announce_job_stop(self, slot: int, pid: int) -> None:
+        """Tell the other nodes' launchers that the job stops (a worker exited ``EXIT_STOP_JOB``:
+        nobody holds the job's newest state, or the replicas diverged). Without it, only this
+        node stopped: the other nodes' workers waited for members that would never come back
+        (a chaos trial: a multi-node job hung instead of exiting 86 for a restart from the
+        checkpoint). A launcher that gives up for another reason (restarts used up) does not
+        stop the job: the other nodes train on without its ranks."""
+        from ftc10d.membership.records import Signer
+
+        body = {"code": EXIT_STOP_JOB, "launcher": self._launch_id, "node_rank": self.config.node_rank,
+                "slot": slot, "pid": pid}
+        try:
+            store = self.membership_store()
+            try:
+                store.put(JOB_STOP_KEY, Signer(self.config.effective_token).encode(JOB_STOP_KEY, body))
+            finally:
+                store.close()
+        except Exception as exc:  # the others then find out the way they did before: not at all, or by timeout
+            logger.error("launcher: could not tell the other nodes that the job stops: %s", exc)
+
+    def _watch_job_stop(self) -> None:
+        """On a job of several nodes: stop this node's workers when another node's launcher
+        stopped the job (:meth:`_announce_job_stop`). One store read per second per node (or
+        per heartbeat timeout, if longer), beside the node agent's ~10 at a 1-s timeout."""
+        from ftc10d.membership.records import Signer
+
+        self._started.wait()
+        if self._start_error is not None:
+            return
+        signer = Signer(self.config.effective_token)
+        period = max(1.0, self.config.heartbeat_timeout)
+        store = None
+        try:
+            while not self._done.wait(period):
+                try:
+                    if store is None:
+                        store = self.membership_store()
+                    raw = store.get(JOB_STOP_KEY)
+                except Exception as exc:  # the store unreachable for a while: try again
+                    logger.debug("launcher: job-stop watch: %s", exc)
+                    continue
+                body = signer.decode(JOB_STOP_KEY, raw) if raw is not None else None
+                if body is None or body.get("launcher") == self._launch_id:
+                    continue
+                logger.error("launcher: node %s stopped the job (its slot %s's worker %s exited %s: the job cannot go "
+                             "on); stopping this node's workers", body.get("node_rank"), body.get("slot"),
+                             body.get("pid"), body.get("code"))
+                self._job_stopped = {"node_rank": body.get("node_rank"), "launcher": body.get("launcher")}
+                self._wake()
+                return
+        finally:
+            if store is not None:
+                store.close()
 
     def _refill_spares(self) -> None:
         """Start spares (in the background: they import on their own) up to ``config.spares``."""
