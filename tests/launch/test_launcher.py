@@ -282,3 +282,23 @@ def test_a_job_stop_on_one_node_stops_every_node(tmp_path: Path) -> None:
     finally:
         node0.close()
         coordinator.close()
+
+
+def test_an_earlier_runs_job_stop_record_does_not_stop_a_new_run(tmp_path: Path) -> None:
+    """A coordinator that outlives a job (``ftc10d coordinator``) still holds the job/stop record
+    of the run that stopped; the run started after it (``--job-restarts``) must not take it for
+    its own stop."""
+    from ftc10d.launch.supervisor import JOB_STOP_KEY
+
+    coordinator = Coordinator().start()
+    try:
+        host, _, port = coordinator.address.rpartition(":")
+        store = TCPMembershipStore(host, int(port))
+        store.put(JOB_STOP_KEY, Signer(None).encode(JOB_STOP_KEY, {"code": 86, "launcher": "earlier", "node_rank": 1}))
+        store.close()
+        cfg = config(tmp_path, "--sleep-s", "3", "--exit", "0", nproc_per_node=2, coordinator=coordinator.address)
+        with Launcher(cfg) as launcher:
+            assert launcher.wait(60) == 0, kinds(launcher.events)
+            assert "job_stopped" not in kinds(launcher.events)
+    finally:
+        coordinator.close()

@@ -657,7 +657,7 @@ class Launcher:
         from ftc10d.membership.records import Signer
 
         body = {"code": EXIT_STOP_JOB, "launcher": self._launch_id, "node_rank": self.config.node_rank,
-                "slot": slot, "pid": pid}
+                "slot": slot, "pid": pid, "t": time.time()}
         try:
             store = self.membership_store()
             try:
@@ -679,8 +679,13 @@ class Launcher:
         signer = Signer(self.config.effective_token)
         period = max(1.0, self.config.heartbeat_timeout)
         store = None
+        # A record already there when this launcher starts is an earlier run's (a job restarted
+        # with --job-restarts on a coordinator that outlived it): only a new one stops this run.
+        before: Optional[bytes] = b""
+        wait = 0.0
         try:
-            while not self._done.wait(period):
+            while not self._done.wait(wait):
+                wait = period
                 try:
                     if store is None:
                         store = self.membership_store()
@@ -688,7 +693,10 @@ class Launcher:
                 except Exception as exc:  # the store unreachable for a while: try again
                     logger.debug("launcher: job-stop watch: %s", exc)
                     continue
-                body = signer.decode(JOB_STOP_KEY, raw) if raw is not None else None
+                if before == b"":
+                    before = raw
+                    continue
+                body = signer.decode(JOB_STOP_KEY, raw) if raw is not None and raw != before else None
                 if body is None or body.get("launcher") == self._launch_id:
                     continue
                 logger.error("launcher: node %s stopped the job (its slot %s's worker %s exited %s: the job cannot go "

@@ -1,6 +1,6 @@
 """A launcher test worker that needs no torch: records what it was given, then exits or sleeps.
 
-``record_env.py DIR [--exit N] [--exit-rank R] [--sleep]``: writes ``DIR/<pid>.json`` (its environment,
+``record_env.py DIR [--exit N] [--exit-rank R] [--sleep] [--sleep-s S]``: writes ``DIR/<pid>.json`` (its environment,
 argv, and whether torch was already imported when the script began, i.e. a warm spare ran it).
 """
 
@@ -22,6 +22,8 @@ def main() -> int:
     os.rename(tmp, os.path.join(out, f"{os.getpid()}.json"))
     if "--exit-rank" in sys.argv and os.environ.get("RANK") == sys.argv[sys.argv.index("--exit-rank") + 1]:
         return int(sys.argv[sys.argv.index("--exit") + 1])  # only that rank exits, with --exit's code
+    if "--sleep-s" in sys.argv:
+        time.sleep(float(sys.argv[sys.argv.index("--sleep-s") + 1]))
     if "--sleep" in sys.argv:
         while True:
             time.sleep(1)
