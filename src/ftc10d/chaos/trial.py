@@ -51,8 +51,13 @@ WHOLE_S = 1.0
 #: Never a configuration of fewer (a lone worker cut off, or left behind, must not train on alone).
 MIN_MEMBERS = 2
 #: The Manager's sync_timeout in a trial with a ``stale`` fault (how long the job waits for a holder of
-#: its lost state before StateLostError); 120 s otherwise.
+#: its lost state before StateLostError).
 STALE_SYNC_S = 8.0
+#: ... and in the others. Deaths the schedule did not plan as a loss can still take every holder of
+#: the newest state (a double kill beside an armed ``die_send``): the job then waits this long and
+#: stops (exit 86), well inside the trial's timeout (it was 120 s, the trial's own timeout: such a
+#: trial hung instead of showing the stop).
+SYNC_S = 30.0
 
 
 @dataclass
@@ -163,7 +168,7 @@ class Trial:
             opts = {"out": str(self.folder), "trial": self.trial_id, "steps": self.spec.steps,
                     "interval": self.spec.interval, "world": self.spec.world_size, "rank_base": slots[0], "die": die,
                     "min_members": MIN_MEMBERS, "mesh": self.spec.mesh,
-                    "sync_timeout": STALE_SYNC_S if any(f.kind == "stale" for f in self.spec.faults) else 120.0}
+                    "sync_timeout": STALE_SYNC_S if any(f.kind == "stale" for f in self.spec.faults) else SYNC_S}
             env = {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "FTC10D_CHAOS_OPTS": json.dumps(opts),
                    "FTC10D_FLIGHT_RECORDER": "0"}
             if self.spec.hosts > 1:
@@ -481,6 +486,8 @@ class Trial:
         duration = time.time() - self.t0
         events = checks.read_events(self.events_dir)
         self.pids.update(int(e["pid"]) for e in events)
+        if self.lost_at is None:
+            self.lost_at = self._unplanned_loss(events)
         lost = self.lost_at is not None
         if lost:  # invariant 8: the job stops; it never trains on from the older state
             violations += checks.check_state_lost(events, rc, self.lost_at or 0.0)
@@ -560,6 +567,24 @@ class Trial:
         except Exception as exc:
             self.notes.append(f"could not read the membership chain: {exc}")
             return None
+
+    def _unplanned_loss(self, events: list[dict[str, Any]]) -> Optional[float]:
+        """When the schedule's deaths took every holder of the job's newest committed state
+        without a ``stale`` fault (a double kill beside an armed ``die_*``): the time the job
+        found it lost (its first ``state_lost`` event), so that the trial is checked as a loss
+        (the job must stop with exit 86, invariant 8). None when some holder was not killed by
+        the schedule (then a ``state_lost`` is a wait for it, and the usual checks apply)."""
+        found = [float(e["t"]) for e in events if e["kind"] == "state_lost"]
+        commits = [e for e in events if e["kind"] == "commit"]
+        if not found or not commits:
+            return None
+        newest = max(int(e["step"]) for e in commits)
+        holders = {int(e["pid"]) for e in commits if int(e["step"]) == newest}
+        dead = self.killed | {int(e["pid"]) for e in events if e["kind"] == "suicide"}
+        if not holders <= dead:
+            return None
+        self.say(f"  every holder of step {newest} died (pids {sorted(holders)}): the job must stop")
+        return min(found)
 
     def _unexpected_exits(self, events: list[dict[str, Any]]) -> list[str]:
         """Workers that exited non-zero without being killed by the schedule (a crash under faults)."""
