@@ -281,3 +281,21 @@ def test_a_record_past_etcds_request_limit_is_a_clear_error() -> None:
         assert store.get("small") == b"ok"
     finally:
         cluster.stop()
+
+
+def test_a_removal_never_forms_the_first_configuration_of_an_incarnation(coordinator: Coordinator) -> None:
+    """A detector (a node agent's, the coordinator's) that still holds the configuration of a
+    store that since lost its state proposes a removal: it must be refused, not turned into a
+    first configuration of whoever has joined so far. That formed a 1-member epoch 1 after a
+    store restart, below the members' epochs (chaos finding 30): only the members form it."""
+    joiner = Member(coordinator.membership_store(), "ftc10d/v1/t/0/0000000000000000", expected=4, watchers=0).join()
+    try:
+        authority = Agreement(coordinator.membership_store(), Signer(None))  # as the agents and the coordinator
+        assert authority.latest() is None
+        out = authority.propose({"0123456789abcdef.0123456789abcdef": "heartbeat"}, reason="node x saw ...")
+        assert out.config is None and not out.changed and out.blocked and "the members form it" in out.blocked
+        assert authority.latest() is None, "a removal formed a configuration"
+        out = authority.propose({}, reason="a rendezvous failed", renew_after=3)
+        assert out.config is None and authority.latest() is None
+    finally:
+        joiner.close()

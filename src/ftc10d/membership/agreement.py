@@ -440,6 +440,14 @@ class Agreement:
             else:
                 cur, pend, joins = self._read_round(cur if attempt == 0 else None)
             if cur is None:
+                if remove or renew_after is not None:
+                    # A change to a configuration this incarnation does not have: the store lost its
+                    # state since the caller read its own (a detector's, an agent's). Forming a first
+                    # configuration here, from whoever has rejoined so far, restarted the epochs
+                    # below the members' and left them out (chaos, finding 30): only the members
+                    # form it (propose_first, re-forming theirs), never a removal.
+                    return Outcome(None, blocked="no configuration in this store's incarnation yet: the members "
+                                                 "form it first (the store lost its state?)")
                 return self.propose_first(reason=reason or "initial configuration", reform=reform, force=force_first)
             removals: dict[str, str] = {}
             for src in (pend, remove):
