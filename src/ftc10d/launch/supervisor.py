@@ -679,9 +679,9 @@ class Launcher:
         signer = Signer(self.config.effective_token)
         period = max(1.0, self.config.heartbeat_timeout)
         store = None
-        # A record already there when this launcher starts is an earlier run's (a job restarted
-        # with --job-restarts on a coordinator that outlived it): only a new one stops this run.
-        before: Optional[bytes] = b""
+        # A record already there at the first read is an earlier run's (a job restarted with
+        # --job-restarts on a coordinator that outlived it): only a new one stops this run.
+        first, before = True, None
         wait = 0.0
         try:
             while not self._done.wait(wait):
@@ -693,10 +693,12 @@ class Launcher:
                 except Exception as exc:  # the store unreachable for a while: try again
                     logger.debug("launcher: job-stop watch: %s", exc)
                     continue
-                if before == b"":
-                    before = raw
+                if first:
+                    first, before = False, raw
                     continue
-                body = signer.decode(JOB_STOP_KEY, raw) if raw is not None and raw != before else None
+                if raw is None or raw == before:
+                    continue
+                body = signer.decode(JOB_STOP_KEY, raw)
                 if body is None or body.get("launcher") == self._launch_id:
                     continue
                 logger.error("launcher: node %s stopped the job (its slot %s's worker %s exited %s: the job cannot go "
