@@ -169,6 +169,7 @@ demo-hsdp: $(STAMP)
 # Every benchmarks/*.py that is not a helper module (leading underscore), from the
 # repository root so that `tests.harness` and `benchmarks` import as packages.
 bench: $(STAMP)
+	$(VENV)/bin/python -m pip install $(PIP_FLAGS) -e '.[test,bench]'
 	@set -e; found=0; \
 	for f in benchmarks/*.py; do \
 	  case "$$(basename "$$f")" in _*|'*.py'|titan_*) continue;; esac; \

@@ -38,15 +38,25 @@ Measured, each on the same clock (one host, ``time.monotonic``):
 
 from __future__ import annotations
 
+import os
+
+if os.environ.get("FTC10D_SIM_CHILD") == "green":
+    # An agents' process hosting them on greenlets (see _Children): patched before anything
+    # else is imported, so that every lock, socket and thread the agent code makes is gevent's.
+    from gevent import monkey
+
+    monkey.patch_all()
+
 import argparse
 import json
 import logging
-import os
 import re
 import resource
 import selectors
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -55,7 +65,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import client_store, dump_json, machine, percentile, start, table  # noqa: E402
+from benchmarks._common import client_store, dump_json, host_store, machine, percentile, table  # noqa: E402
 from benchmarks.membership import Etcd, _cpu_seconds, _free_port, _start_coordinator  # noqa: E402
 
 
@@ -174,6 +184,58 @@ def _latencies(got: dict[str, list[list[float]]], epoch: Optional[int], t0: floa
     return sorted(out)
 
 
+class _Children:
+    """The agents' processes: ``python membership_scale.py`` again, one per ``--procs``, each
+    running :func:`sim_process` and writing what its ranks received to a file.
+
+    ``--host green`` hosts a process's agents on greenlets: gevent's monkey patching (done
+    first, above) turns each ``threading.Thread`` of the unchanged agent code into a greenlet
+    and each socket wait into a yield to one event loop. 4,096 agents are 16,384 OS threads
+    otherwise, and creating and scheduling that many threads, not the agents' work, is what
+    2 cores (under gVisor) cannot do. The agents' code is the launcher's, line for line; what
+    changes is that a store request (torch's C++ client) holds up the process's other agents
+    for its round trip, where threads overlap it: the figures err on the slow side."""
+
+    def __init__(self, procs: int, opts: dict[str, Any]) -> None:
+        self.store = host_store()
+        self.dir = tempfile.mkdtemp(prefix="ftc10d-scale-")
+        with open(os.path.join(self.dir, "opts.json"), "w") as f:
+            json.dump(opts, f)
+        env = dict(os.environ, FTC10D_SIM_CHILD=opts["host"])
+        self.procs = [subprocess.Popen([sys.executable, __file__, "--child", str(i), "--procs", str(procs),
+                                        "--child-port", str(self.store.port), "--child-dir", self.dir], env=env)
+                      for i in range(procs)]
+
+    def collect(self, timeout: float) -> dict[int, Any]:
+        deadline = time.monotonic() + timeout
+        out = {}
+        for i, p in enumerate(self.procs):
+            code = p.wait(max(1.0, deadline - time.monotonic()))
+            if code != 0:
+                raise RuntimeError(f"agents' process {i} exited with {code}")
+            with open(os.path.join(self.dir, f"got-{i}.json")) as f:
+                out[i] = {"got": json.load(f)}
+        return out
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for name in os.listdir(self.dir):
+            os.unlink(os.path.join(self.dir, name))
+        os.rmdir(self.dir)
+
+
+def _child(idx: int, procs: int, port: int, folder: str) -> int:
+    with open(os.path.join(folder, "opts.json")) as f:
+        opts = json.load(f)
+    got = sim_process(idx, procs, port, opts)["got"]
+    with open(os.path.join(folder, f"got-{idx}.json"), "w") as f:
+        json.dump(got, f)
+    return 0
+
+
 def sim_process(idx: int, nprocs: int, port: int, opts: dict[str, Any]) -> dict[str, Any]:
     from ftc10d.membership import MemberInfo, NodeAgent, Signer
     from ftc10d.membership.agreement import mem_key
@@ -182,7 +244,8 @@ def sim_process(idx: int, nprocs: int, port: int, opts: dict[str, Any]) -> dict[
     logging.basicConfig(level=logging.WARNING, format=f"sim{idx} %(asctime)s %(levelname)s %(message)s")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    threading.stack_size(256 << 10)
+    if opts["host"] == "threads":
+        threading.stack_size(256 << 10)
     control = client_store(port)
     k = opts["nodes"] // nprocs + (1 if idx < opts["nodes"] % nprocs else 0)
     # A store object of its own per agent (clones would share one etcd lease, as a process's threads do).
@@ -257,7 +320,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ftc10d.membership import Agreement, Signer
 
     opts: dict[str, Any] = {"nodes": args.nodes, "ranks": args.ranks, "timeout": args.timeout, "poll": args.poll,
-                            "rank_beat": args.rank_beat, "rank_sockets": args.rank_sockets}
+                            "rank_beat": args.rank_beat, "rank_sockets": args.rank_sockets, "host": args.host}
     coord = etcd = None
     if args.etcd:
         etcd = Etcd()
@@ -270,7 +333,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         store_pid = coord.pid
     job = None
     try:
-        job = start(sim_process, args.procs, opts)
+        job = _Children(args.procs, opts)
         control = job.store
         _wait(control, [f"agents/{i}" for i in range(args.procs)], 600)
         nodes = [n for i in range(args.procs) for n in json.loads(control.get(f"agents/{i}"))]
@@ -352,6 +415,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     silence_lat = _latencies(got, e2, t_silent, skip=(victim, silent + "."))
     return {
         "nodes": args.nodes, "ranks": size, "store": "etcd" if args.etcd else "tcp", "timeout": args.timeout,
+        "host": args.host,
         "poll": args.poll, "formed_s": formed_s, "requests_per_s": rate, "per_node": rate / args.nodes,
         "store_cpu": store_cpu, "report_ms": report_ms,
         "exit_p50": percentile(exit_lat, 50), "exit_p99": percentile(exit_lat, 99), "exit_max": max(exit_lat),
@@ -403,22 +467,36 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--rank-beat", type=float, default=0.25,
                     help="a simulated rank beats its agent every this many timeouts (a real rank: 0.1; local "
                          "traffic only, but here it shares the 2 cores with the store and every agent)")
+    ap.add_argument("--host", choices=("green", "threads"), default="green",
+                    help="how a process hosts its agents: 'threads' (each agent's 4 threads, as under the "
+                         "launcher) or 'green' (the same code on gevent greenlets: one OS thread per process; "
+                         "the only way 4,096 agents fit on 2 cores)")
     ap.add_argument("--etcd", action="store_true", help="a single-member etcd instead of the TCPStore")
     ap.add_argument("--no-coordinator-detect", dest="coordinator_detect", action="store_false",
                     help="TCPStore: the coordinator only hosts the store; the agents' rings detect at full pace")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-port", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child is not None:
+        return _child(args.child, args.procs, args.child_port, args.child_dir)
     # torch's TCPStore client formats the peer's address with getnameinfo() on every connect,
     # a reverse DNS lookup; on this VM about 1 in 25 of them waits 5 s for a nameserver that
     # never answers (measured: 8 of 200 serial connects). Thousands of agents connecting at
     # start-up then spend minutes in it. glibc's RES_OPTIONS caps the wait at 1 s for every
     # process this script starts (the coordinator and the agents' processes inherit it).
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+    if args.host == "green":
+        try:
+            import gevent  # noqa: F401
+        except ImportError:
+            ap.error("--host green needs gevent: pip install -e '.[bench]' (or make bench), or pass --host threads")
     if args.rank_sockets is None:
         args.rank_sockets = args.ranks
     r = run(args)
     print(f"{args.nodes} node agents x {args.ranks} ranks ({r['ranks']} ranks), {r['store']} store, heartbeat "
-          f"timeout {args.timeout:g} s, detection: {r['detector']}, {args.procs} processes, "
+          f"timeout {args.timeout:g} s, detection: {r['detector']}, {args.procs} processes ({args.host}), "
           f"{args.rank_sockets} local socket(s) per node; {machine()}")
     rows = [
         ["first configuration formed (all ranks hold it)", f"{r['formed_s']:.1f} s"],
