@@ -110,3 +110,35 @@ def test_a_bridge_left_by_a_killed_run_does_not_take_the_trials_subnet() -> None
         assert hosts.ns[1] not in _namespaces()
     finally:
         subprocess.run(["ip", "link", "del", leftover], capture_output=True)
+
+
+def test_a_cut_host_is_removed_while_the_cut_lasts(tmp_path: Path) -> None:
+    # Finding 32: the node agent's one store connection was opened on the launcher's thread, in
+    # the root namespace, so a cut of host 1's link left its node beating: the job waited the
+    # cut out (its longest pause = the cut + TCP's retransmission backoff) instead of removing
+    # the node. A cut of 3 heartbeat timeouts must remove host 1's worker while it lasts: the
+    # host-0 workers commit at a later epoch before the link comes back.
+    from tests.chaos.test_chaos import _replay
+
+    hb = 0.75
+    spec = {"seed": 32, "spec": {"seed": 32, "world_size": 4, "steps": 90, "heartbeat_timeout": hb, "hosts": 2,
+                                 "spares": 1, "interval": 0.03, "timeout": 120.0, "membership": "tcp",
+                                 "faults": [{"kind": "partition", "slot": 1, "at_step": 30, "duration": 3 * hb}]}}
+    out, summary = _replay(tmp_path, spec)
+    trial = json.loads(next((out / "trials").glob("*.json")).read_text())
+    fault = trial["faults"][0]
+    t_cut, t_heal = fault["t_fault"], fault["t_end"]
+    during: list[int] = []  # epochs of the host-0 workers' commits while the link was down
+    before: list[int] = []
+    for path in (Path(trial["folder"]) / "events").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            e = json.loads(line)
+            if e.get("kind") != "commit" or e.get("slot") == 3:
+                continue
+            if e["t"] < t_cut:
+                before.append(e["epoch"])
+            elif e["t"] < t_heal:
+                during.append(e["epoch"])
+    assert before and during, f"no commits around the cut: {len(before)} before, {len(during)} during"
+    assert max(during) > max(before), (f"host 1 was not removed during its {3 * hb:g}-s cut: commits during it at "
+                                       f"epoch(s) {sorted(set(during))}, before it {sorted(set(before))}")

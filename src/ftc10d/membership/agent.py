@@ -134,6 +134,7 @@ class NodeAgent:
         self._thread_init = thread_init
         self._signer = Signer(token)
         self._store = store
+        self._cloned = False  # self._store is a connection of the agent's own (see start)
         self._own_dir = socket_dir is None
         self._dir = socket_dir or tempfile.mkdtemp(prefix="ftc10d-node-")
         self.path = os.path.join(self._dir, f"agent-{self.id}.sock")
@@ -167,9 +168,13 @@ class NodeAgent:
             lst.listen(1024)
             lst.setblocking(False)
             self._listener = lst
-            # On etcd, the ranks' leased records ride on the node's lease: they vanish with it.
-            self._lease = self._store.lease()
-            self._beat_once(self._store, 1)
+            if self._thread_init is not None:
+                # The node's one store connection is opened where its threads live (thread_init:
+                # a network namespace): one opened on the caller's thread would go on beating
+                # for the node through a cut of the node's own network (finding 32).
+                self._call_in_thread(self._open_store)
+            else:
+                self._open_store()
         except BaseException:
             self._stop.set()
             self._cleanup()
@@ -206,6 +211,35 @@ class NodeAgent:
             self._store.revoke()
         except Exception:
             logger.debug("lease revoke failed", exc_info=True)
+        if self._cloned:
+            self._store.close()
+
+    def _open_store(self) -> None:
+        if self._thread_init is not None:
+            self._store = self._store.clone()
+            self._cloned = True
+        # On etcd, the ranks' leased records ride on the node's lease: they vanish with it.
+        self._lease = self._store.lease()
+        self._beat_once(self._store, 1)
+
+    def _call_in_thread(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on a thread that ran ``thread_init`` first, as the agent's threads do."""
+        out: dict[str, Any] = {}
+
+        def body() -> None:
+            try:
+                assert self._thread_init is not None
+                self._thread_init()
+                out["value"] = fn()
+            except BaseException as exc:  # re-raised on the caller's thread
+                out["error"] = exc
+
+        t = threading.Thread(target=body, name="ftc10d-node-init", daemon=True)
+        t.start()
+        t.join()
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
 
     def _cleanup(self) -> None:
         for fd in (self._listener, self._wake_r, self._wake_w):
