@@ -34,6 +34,16 @@ HAS_NATIVE_RECONFIGURE: bool = hasattr(torch._C._distributed_c10d, "ReconfigureO
 # ----------------------------------------------------------------- processes
 
 
+def die_with_parent() -> None:
+    """``preexec_fn`` of a helper process (a coordinator, etcd, an agents' host): it is
+    SIGKILLed when the benchmark that started it dies, even by a signal that skips its
+    ``finally`` (``timeout``, Ctrl-C twice); an orphaned coordinator goes on polling a dead
+    job's heartbeats and skews every later measurement on the machine."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def host_store() -> dist.TCPStore:
     """The parent's store: it outlives every rank (as in the launcher)."""
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))

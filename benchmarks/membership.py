@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks._common import client_store, dump_json, host_store, machine, median, percentile, start, table  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    client_store, die_with_parent, dump_json, host_store, machine, median, percentile, start, table)
 
 HB_TIMEOUT = 1.0
 TARGET_FAST_MS = 50.0
@@ -79,7 +80,8 @@ class Etcd:
              "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
              "--initial-cluster", f"b0=http://127.0.0.1:{peer}", "--heartbeat-interval", "50",
              "--election-timeout", "500", "--logger", "zap", "--log-level", "error"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=die_with_parent)
         import requests
 
         deadline = time.monotonic() + 30
@@ -221,7 +223,8 @@ def _start_coordinator(port: int, detect: bool, timeout: float = HB_TIMEOUT) -> 
     cmd = [sys.executable, "-m", "ftc10d", "coordinator", "--port", str(port), "--heartbeat-timeout", str(timeout)]
     if not detect:
         cmd.append("--no-detect")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=die_with_parent)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:

@@ -65,36 +65,104 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import client_store, dump_json, host_store, machine, percentile, table  # noqa: E402
+from benchmarks._common import client_store, die_with_parent, dump_json, host_store, machine, percentile, table  # noqa: E402
 from benchmarks.membership import Etcd, _cpu_seconds, _free_port, _start_coordinator  # noqa: E402
 
 
 class _Frames:
-    """The local channel's framing (4-byte length + JSON), reading a big frame's op and epoch
-    from its first bytes only: a real rank decodes and verifies every record (that cost is
-    measured on its own, ``decode_ms``), but 2,048 simulated ranks per process parsing a
-    730-KB first configuration each would starve the agents they share 2 cores with."""
+    """The local channel's framing (4-byte length + JSON), reading a frame's op and epoch from
+    its first bytes and skipping the rest unbuffered: a real rank decodes and verifies every
+    record (that cost is measured on its own, ``decode_ms``), but 512 simulated ranks per
+    process buffering and parsing a 2.7-MB first configuration each would starve (and, at
+    4,096 nodes, exhaust the memory of) the agents they share the machine with."""
 
     _HEAD = re.compile(rb'\{"op":"(\w+)","epoch":(\d+)')
+    _PEEK = 64
 
     def __init__(self) -> None:
         self._buf = bytearray()
+        self._skip = 0  # body bytes of the current frame still to drop
 
     def feed(self, data: bytes) -> list[tuple[str, Optional[int]]]:
-        self._buf += data
         out: list[tuple[str, Optional[int]]] = []
-        while len(self._buf) >= 4:
-            n = int.from_bytes(self._buf[:4], "big")
-            if len(self._buf) < 4 + n:
+        view = memoryview(data)
+        while view:
+            if self._skip:
+                k = min(self._skip, len(view))
+                self._skip -= k
+                view = view[k:]
+                continue
+            need = 4 + self._PEEK - len(self._buf)
+            self._buf += view[:need]
+            view = view[need:]
+            if len(self._buf) < 4:
                 break
-            m = self._HEAD.match(self._buf, 4, min(4 + n, 4 + 64))
+            n = int.from_bytes(self._buf[:4], "big")
+            if len(self._buf) < 4 + min(n, self._PEEK):
+                continue
+            m = self._HEAD.match(self._buf, 4, 4 + min(n, self._PEEK))
             if m is not None:
                 out.append((m.group(1).decode(), int(m.group(2))))
-            else:
+            elif n <= self._PEEK:
                 msg = json.loads(bytes(self._buf[4:4 + n]))
                 out.append((str(msg.get("op")), msg.get("epoch")))
-            del self._buf[:4 + n]
+            else:
+                out.append(("?", None))
+            rest = bytes(self._buf[4 + min(n, self._PEEK):])  # bytes of the next frame(s), if any
+            self._skip = max(0, n - self._PEEK)
+            self._buf = bytearray()
+            if rest:
+                view = memoryview(rest + bytes(view))
         return out
+
+
+class _Interned:
+    """One copy per process of each big record the agents read (a process hosts hundreds of
+    agents; each reads the same 2-MB first configuration over its own connection, as a real
+    node does, but 512 copies of it in one process are the simulation's cost, not a node's)."""
+
+    _LOCK = threading.Lock()
+    _SEEN: dict[tuple[int, int], bytes] = {}
+
+    @classmethod
+    def one(cls, raw: Optional[bytes]) -> Optional[bytes]:
+        if raw is None or len(raw) < 65536:
+            return raw
+        key = (len(raw), hash(raw))
+        with cls._LOCK:
+            got = cls._SEEN.get(key)
+            if got is not None and got == raw:
+                return got
+            if len(cls._SEEN) > 16:
+                cls._SEEN.clear()
+            cls._SEEN[key] = raw
+            return raw
+
+
+def _interning(base: type) -> type:
+    """``base`` (a membership store class) whose reads return :class:`_Interned` copies."""
+
+    class Interning(base):  # type: ignore[misc, valid-type]
+        def clone(self) -> Any:
+            twin = super().clone()
+            twin.__class__ = Interning
+            return twin
+
+        def get(self, key: str) -> Optional[bytes]:
+            return _Interned.one(super().get(key))
+
+        def get_many(self, keys: list[str]) -> list[Optional[bytes]]:
+            return [_Interned.one(r) for r in super().get_many(keys)]
+
+        def wait_for(self, key: str, timeout: float, stop: Any = None) -> Optional[bytes]:
+            return _Interned.one(super().wait_for(key, timeout, stop))
+
+        def highest(self, prefix: str) -> Any:
+            got = super().highest(prefix)
+            return None if got is None else (got[0], _Interned.one(got[1]))
+
+    Interning.__name__ = Interning.__qualname__ = f"Interning{base.__name__}"
+    return Interning
 
 
 class RankSim:
@@ -203,7 +271,8 @@ class _Children:
             json.dump(opts, f)
         env = dict(os.environ, FTC10D_SIM_CHILD=opts["host"])
         self.procs = [subprocess.Popen([sys.executable, __file__, "--child", str(i), "--procs", str(procs),
-                                        "--child-port", str(self.store.port), "--child-dir", self.dir], env=env)
+                                        "--child-port", str(self.store.port), "--child-dir", self.dir], env=env,
+                                       preexec_fn=die_with_parent)
                       for i in range(procs)]
 
     def collect(self, timeout: float) -> dict[int, Any]:
@@ -249,8 +318,8 @@ def sim_process(idx: int, nprocs: int, port: int, opts: dict[str, Any]) -> dict[
     control = client_store(port)
     k = opts["nodes"] // nprocs + (1 if idx < opts["nodes"] % nprocs else 0)
     # A store object of its own per agent (clones would share one etcd lease, as a process's threads do).
-    agents = [NodeAgent(_store(opts), heartbeat_timeout=opts["timeout"], poll_interval=opts["poll"]).start()
-              for _ in range(k)]
+    agents = [NodeAgent(_store(opts, interned=True), heartbeat_timeout=opts["timeout"],
+                        poll_interval=opts["poll"]).start() for _ in range(k)]
     # Each rank's records, as Member.join writes them: on etcd, leased on its node's lease.
     signer = Signer(None)
     for a in agents:
@@ -288,12 +357,14 @@ def sim_process(idx: int, nprocs: int, port: int, opts: dict[str, Any]) -> dict[
     return {"got": sim.got}
 
 
-def _store(opts: dict[str, Any]) -> Any:
+def _store(opts: dict[str, Any], interned: bool = False) -> Any:
     from ftc10d.membership import EtcdMembershipStore, TCPMembershipStore
 
     if opts.get("etcd"):
-        return EtcdMembershipStore(opts["etcd"], prefix=opts["prefix"])
-    return TCPMembershipStore("127.0.0.1", opts["store_port"])
+        cls = _interning(EtcdMembershipStore) if interned else EtcdMembershipStore
+        return cls(opts["etcd"], prefix=opts["prefix"])
+    cls = _interning(TCPMembershipStore) if interned else TCPMembershipStore
+    return cls("127.0.0.1", opts["store_port"])
 
 
 def _wait(control: Any, keys: list[str], timeout: float) -> None:
