@@ -82,8 +82,10 @@ class _Frames:
     def __init__(self) -> None:
         self._buf = bytearray()
         self._skip = 0  # body bytes of the current frame still to drop
+        self._head: tuple[str, Optional[int]] = ("?", None)  # the current frame's, reported at its end
 
     def feed(self, data: bytes) -> list[tuple[str, Optional[int]]]:
+        """The (op, epoch) of each frame whose last byte is in ``data``."""
         out: list[tuple[str, Optional[int]]] = []
         view = memoryview(data)
         while view:
@@ -91,6 +93,8 @@ class _Frames:
                 k = min(self._skip, len(view))
                 self._skip -= k
                 view = view[k:]
+                if not self._skip:
+                    out.append(self._head)
                 continue
             need = 4 + self._PEEK - len(self._buf)
             self._buf += view[:need]
@@ -102,15 +106,19 @@ class _Frames:
                 continue
             m = self._HEAD.match(self._buf, 4, 4 + min(n, self._PEEK))
             if m is not None:
-                out.append((m.group(1).decode(), int(m.group(2))))
+                head: tuple[str, Optional[int]] = (m.group(1).decode(), int(m.group(2)))
             elif n <= self._PEEK:
                 msg = json.loads(bytes(self._buf[4:4 + n]))
-                out.append((str(msg.get("op")), msg.get("epoch")))
+                head = (str(msg.get("op")), msg.get("epoch"))
             else:
-                out.append(("?", None))
+                head = ("?", None)
             rest = bytes(self._buf[4 + min(n, self._PEEK):])  # bytes of the next frame(s), if any
             self._skip = max(0, n - self._PEEK)
             self._buf = bytearray()
+            if self._skip:
+                self._head = head
+            else:
+                out.append(head)
             if rest:
                 view = memoryview(rest + bytes(view))
         return out

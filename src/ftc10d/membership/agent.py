@@ -659,6 +659,10 @@ class NodeAgent:
         with self._lock:
             del conn.out[:sent]
             want = bool(conn.out)
+            if not want:
+                # A drained buffer keeps its capacity: after a 32,768-rank first configuration,
+                # ~3 MB per linked rank for the life of the job (found at 4,096 simulated nodes).
+                conn.out = bytearray()
         try:
             sel.modify(conn.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if want else 0), conn)
         except (KeyError, ValueError):
