@@ -134,7 +134,6 @@ class NodeAgent:
         self._thread_init = thread_init
         self._signer = Signer(token)
         self._store = store
-        self._cloned = False  # self._store is a connection of the agent's own (see start)
         self._own_dir = socket_dir is None
         self._dir = socket_dir or tempfile.mkdtemp(prefix="ftc10d-node-")
         self.path = os.path.join(self._dir, f"agent-{self.id}.sock")
@@ -211,26 +210,25 @@ class NodeAgent:
             self._store.revoke()
         except Exception:
             logger.debug("lease revoke failed", exc_info=True)
-        if self._cloned:
-            self._store.close()
+        if self._thread_init is not None:
+            self._store.close()  # the agent's own connection (see _open_store)
 
     def _open_store(self) -> None:
         if self._thread_init is not None:
             self._store = self._store.clone()
-            self._cloned = True
         # On etcd, the ranks' leased records ride on the node's lease: they vanish with it.
         self._lease = self._store.lease()
         self._beat_once(self._store, 1)
 
-    def _call_in_thread(self, fn: Callable[[], Any]) -> Any:
+    def _call_in_thread(self, fn: Callable[[], None]) -> None:
         """``fn()`` on a thread that ran ``thread_init`` first, as the agent's threads do."""
-        out: dict[str, Any] = {}
+        out: dict[str, BaseException] = {}
 
         def body() -> None:
             try:
                 assert self._thread_init is not None
                 self._thread_init()
-                out["value"] = fn()
+                fn()
             except BaseException as exc:  # re-raised on the caller's thread
                 out["error"] = exc
 
@@ -239,7 +237,6 @@ class NodeAgent:
         t.join()
         if "error" in out:
             raise out["error"]
-        return out["value"]
 
     def _cleanup(self) -> None:
         for fd in (self._listener, self._wake_r, self._wake_w):
