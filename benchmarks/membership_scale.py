@@ -246,6 +246,38 @@ class RankSim:
         self._thread.join(5)
 
 
+class _HintListener:
+    """The notifier's hints as an unloaded process hears them (this one, on real threads, is
+    one more connection of the notifier's broadcast, the newest, so among the last served):
+    when the coordinator pushed each epoch, apart from the agents' processes' queues."""
+
+    def __init__(self, store: Any) -> None:
+        from ftc10d.membership.notify import NOTIFY_KEY, HintClient
+
+        port = store.get(NOTIFY_KEY)
+        self.heard: dict[int, float] = {}
+        self._client = HintClient(store.host, int(port)) if port and port.isdigit() else None
+        self._stop = threading.Event()
+        if self._client is not None:
+            threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self) -> None:
+        assert self._client is not None
+        while not self._stop.is_set():
+            try:
+                got = self._client.wait(0.5)
+            except OSError:
+                return
+            t = time.monotonic()
+            for e, _ in got:
+                self.heard.setdefault(e, t)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._client is not None:
+            self._client.close()
+
+
 def _latencies(got: dict[str, list[list[float]]], epoch: Optional[int], t0: float,
                skip: tuple[str, ...] = ()) -> list[float]:
     """Per rank, ms from ``t0`` to its first configuration at ``epoch`` or later (a rank may
@@ -293,7 +325,7 @@ class _Children:
             if code != 0:
                 raise RuntimeError(f"agents' process {i} exited with {code}")
             with open(os.path.join(self.dir, f"got-{i}.json")) as f:
-                out[i] = {"got": json.load(f)}
+                out[i] = json.load(f)
         return out
 
     def close(self) -> None:
@@ -309,16 +341,71 @@ class _Children:
 def _child(idx: int, procs: int, port: int, folder: str) -> int:
     with open(os.path.join(folder, "opts.json")) as f:
         opts = json.load(f)
-    got = sim_process(idx, procs, port, opts)["got"]
+    out = sim_process(idx, procs, port, opts)
     with open(os.path.join(folder, f"got-{idx}.json"), "w") as f:
-        json.dump(got, f)
+        json.dump(out, f)
     return 0
+
+
+class _Hops:
+    """Per-hop timestamps in an agents' process, taken by wrapping two agent methods (the agent
+    code is not changed): when each hint came off the notifier's socket, and when each agent
+    took a configuration (verified, queued to its ranks). And the process's scheduling lag: a
+    loop that asks to sleep 10 ms and records how late it wakes (on greenlets, how long other
+    agents held the process; with threads, how long the GIL and the CPUs were away)."""
+
+    def __init__(self) -> None:
+        self.hinted: dict[int, list[float]] = {}  # epoch -> arrival of its first hint, per agent
+        self.taken: dict[int, list[float]] = {}  # epoch -> when each agent took it
+        self.lag: list[tuple[float, float]] = []  # (wake time, ms late), 100 a second
+        self._stop = threading.Event()
+
+    def install(self) -> None:
+        from ftc10d.membership import NodeAgent
+        from ftc10d.membership.notify import HintClient
+
+        hops = self
+        wait0, take0 = HintClient.wait, NodeAgent._take
+
+        def wait(client: Any, timeout: float) -> Any:
+            got = wait0(client, timeout)
+            t = time.monotonic()
+            seen = client.__dict__.setdefault("_sim_seen", set())
+            for e, _ in got:
+                if e not in seen:
+                    seen.add(e)
+                    hops.hinted.setdefault(e, []).append(t)
+            return got
+
+        def take(agent: Any, cfg: Any, raw: Optional[bytes]) -> None:
+            before = agent._cur
+            take0(agent, cfg, raw)
+            if agent._cur is cfg and agent._cur is not before:
+                hops.taken.setdefault(cfg.epoch, []).append(time.monotonic())
+
+        HintClient.wait = wait  # type: ignore[method-assign]
+        NodeAgent._take = take  # type: ignore[method-assign]
+        threading.Thread(target=self._watch_lag, daemon=True).start()
+
+    def _watch_lag(self) -> None:
+        while not self._stop.is_set():
+            t = time.monotonic()
+            time.sleep(0.01)
+            now = time.monotonic()
+            self.lag.append((now, (now - t - 0.01) * 1e3))
+
+    def dump(self) -> dict[str, Any]:
+        self._stop.set()
+        return {"hinted": self.hinted, "taken": self.taken, "lag": self.lag}
 
 
 def sim_process(idx: int, nprocs: int, port: int, opts: dict[str, Any]) -> dict[str, Any]:
     from ftc10d.membership import MemberInfo, NodeAgent, Signer
     from ftc10d.membership.agreement import mem_key
     from ftc10d.membership.store import requests_made
+
+    hops = _Hops()
+    hops.install()
 
     logging.basicConfig(level=logging.WARNING, format=f"sim{idx} %(asctime)s %(levelname)s %(message)s")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -366,7 +453,7 @@ def sim_process(idx: int, nprocs: int, port: int, opts: dict[str, Any]) -> dict[
     sim.stop()
     for a in agents:
         a._stop.set()
-    return {"got": sim.got}
+    return {"got": sim.got, "hops": hops.dump()}
 
 
 def _store(opts: dict[str, Any], interned: bool = False) -> Any:
@@ -404,7 +491,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     opts: dict[str, Any] = {"nodes": args.nodes, "ranks": args.ranks, "timeout": args.timeout, "poll": args.poll,
                             "rank_beat": args.rank_beat, "rank_sockets": args.rank_sockets, "host": args.host}
-    coord = etcd = None
+    coord = etcd = listener = None
     if args.etcd:
         etcd = Etcd()
         opts["etcd"] = [etcd.endpoint]
@@ -436,12 +523,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         formed_s = time.monotonic() - t_join
         if got < size:
             raise RuntimeError(f"only {got} of {size} ranks hold the first configuration")
+        listener = _HintListener(store) if not args.etcd else None
         # Steady state.
         time.sleep(2.0)
         cpu0, w0 = _cpu_seconds(store_pid), time.monotonic()
+        sim_cpu0 = sum(_cpu_seconds(p.pid) for p in job.procs)
         control.set("window", str(args.window))
         _wait(control, [f"window/{i}" for i in range(args.procs)], args.window + 120)
-        store_cpu = (_cpu_seconds(store_pid) - cpu0) / (time.monotonic() - w0)
+        w1 = time.monotonic()
+        store_cpu = (_cpu_seconds(store_pid) - cpu0) / (w1 - w0)
+        sim_cpu = (sum(_cpu_seconds(p.pid) for p in job.procs) - sim_cpu0) / (w1 - w0)
         reqs = [json.loads(control.get(f"window/{i}")) for i in range(args.procs)]
         rate = sum(n / t for n, t in reqs)
         # A rank's exit, reported as the launcher does: a rank of a node still in the job (under
@@ -451,7 +542,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         live = [n for n in nodes if f"{n}.0000" in now.member_set]
         victim = f"{live[len(live) // 2]}.0003"
         t_exit = time.monotonic()
-        rep = Agreement(_store(opts), signer).report_exit(handles[victim])
+        # As the launcher does: its node agent holds the configuration, the chain is read from it.
+        rep = Agreement(_store(opts), signer).report_exit(handles[victim], known=now)
         report_ms = (time.monotonic() - t_exit) * 1e3
         if rep.config is None or victim in rep.config.member_set:
             raise RuntimeError(f"the exit of {victim} was not agreed: {rep}")
@@ -486,6 +578,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         control.set("stop", "1")
         res = job.collect(timeout=600)
     finally:
+        if listener is not None:
+            listener.close()
         if job is not None:
             job.close()
         if coord is not None:
@@ -496,6 +590,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     got = {mid: arrivals for r in res.values() for mid, arrivals in r["got"].items()}
     exit_lat = _latencies(got, e1, t_exit, skip=(victim,))
     silence_lat = _latencies(got, e2, t_silent, skip=(victim, silent + "."))
+    hops = [r["hops"] for r in res.values()]
+    heard = listener.heard if listener is not None else {}
+
+    def hop(epoch: Optional[int], t0: float, what: str) -> Optional[list[float]]:
+        if epoch is None:
+            return None
+        ts = sorted((t - t0) * 1e3 for h in hops for t in h[what].get(str(epoch), []))
+        return [percentile(ts, 50), percentile(ts, 99), len(ts)] if ts else None
+
+    def lag(t0: float, t1: float) -> list[float]:
+        xs = sorted(ms for h in hops for t, ms in h["lag"] if t0 <= t <= t1)
+        return [percentile(xs, 50), percentile(xs, 99), xs[-1]] if xs else [float("nan")] * 3
+
+    per_hop = {
+        "exit": {"agreed_ms": report_ms,
+                 "notifier_ms": (heard[e1] - t_exit) * 1e3 if e1 in heard else None,
+                 "agents_hinted": hop(e1, t_exit, "hinted"), "agents_took": hop(e1, t_exit, "taken"),
+                 "loop_lag": lag(t_exit, t_exit + max(exit_lat) / 1e3)},
+        "silence": None if e2 is None else {
+            "notifier_ms": (heard[e2] - t_silent) * 1e3 if e2 in heard else None,
+            "agents_hinted": hop(e2, t_silent, "hinted"), "agents_took": hop(e2, t_silent, "taken")},
+        "steady_loop_lag": lag(w0, w1), "agents_cpu": sim_cpu,
+    }
     return {
         "nodes": args.nodes, "ranks": size, "store": "etcd" if args.etcd else "tcp", "timeout": args.timeout,
         "host": args.host,
@@ -507,7 +624,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "silence_p99": percentile(silence_lat, 99) if silence_lat else None,
         "silence_first": silence_lat[0] if silence_lat else None,
         "silence_n": len(silence_lat),
-        "other_changes": spurious, "decode_ms": decode_ms,
+        "other_changes": spurious, "decode_ms": decode_ms, "per_hop": per_hop,
         "detector": "coordinator + rings (backup)" if args.coordinator_detect and not args.etcd else "rings",
     }
 
@@ -594,6 +711,28 @@ def main(argv: Optional[list[str]] = None) -> int:
          f"{r['silence_first']:.0f} / {r['silence_p50']:.0f} / {r['silence_p99']:.0f} ms"],
     ]
     print(table(["", "measured"], rows))
+    ph = r["per_hop"]
+
+    def pq(x: Optional[list[float]]) -> str:
+        return "n/a" if not x else f"{x[0]:.0f} / {x[1]:.0f} ms ({x[2]:.0f})"
+
+    def ms(x: Optional[float]) -> str:
+        return "n/a" if x is None else f"{x:.0f} ms"
+
+    hop_rows = [["exit: report_exit agreed", ms(ph["exit"]["agreed_ms"])],
+                ["exit: the notifier's hint heard by an unloaded listener", ms(ph["exit"]["notifier_ms"])],
+                ["exit: hint read by the agents, p50 / p99", pq(ph["exit"]["agents_hinted"])],
+                ["exit: agents took it (verified, queued to ranks), p50 / p99", pq(ph["exit"]["agents_took"])],
+                ["exit: agents' processes' loop lag meanwhile, p50 / p99 / max",
+                 "{:.0f} / {:.0f} / {:.0f} ms".format(*ph["exit"]["loop_lag"])]]
+    if ph["silence"] is not None:
+        hop_rows += [["silence (from the last beat): hint heard by the listener", ms(ph["silence"]["notifier_ms"])],
+                     ["silence: hint read by the agents, p50 / p99", pq(ph["silence"]["agents_hinted"])],
+                     ["silence: agents took it, p50 / p99", pq(ph["silence"]["agents_took"])]]
+    hop_rows += [["steady state: agents' processes' loop lag, p50 / p99 / max",
+                  "{:.0f} / {:.0f} / {:.0f} ms".format(*ph["steady_loop_lag"])],
+                 ["steady state: agents' processes' CPU", f"{ph['agents_cpu'] * 100:.0f}% of a core"]]
+    print(table(["per hop (each from the event)", "measured"], hop_rows))
     for line in r["other_changes"]:
         print(f"other configuration change meanwhile (not a measured event): {line}")
     dump_json(args.json, r)

@@ -370,7 +370,9 @@ class Launcher:
                             proc.pid, proc.slot)
                 return
             handle = self._store.get(key).decode()
-            out = self._agreement.report_exit(handle)
+            # The node agent holds the configuration: the chain is read from it, not from its start.
+            known = self._agent.current if self._agent is not None else None
+            out = self._agreement.report_exit(handle, known=known)
         except Exception:
             logger.warning("launcher: could not report the exit of worker %d to the membership", proc.pid,
                            exc_info=True)

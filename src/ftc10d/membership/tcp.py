@@ -248,6 +248,9 @@ class TCPMembershipStore(MembershipStore):
 
 #: How often ``TCPMembershipStore.wait_for`` looks for its key.
 POLL_S = 0.02
+#: The coordinator's detector reads every heartbeat at least this often (and every timeout / 40
+#: if that is shorter): a silent node is removed within the timeout + ~2 reads.
+DETECT_TICK_S = 0.025
 
 
 # ================================================================ coordinator
@@ -299,7 +302,12 @@ class Coordinator:
         self.signer = Signer(token)
         self.detect = detect
         self.heartbeat_timeout = heartbeat_timeout
-        self.watch_interval = watch_interval if watch_interval is not None else heartbeat_timeout / 40
+        # A lapse is seen up to two reads late (the last beat is first seen one read after it was
+        # written, and judged at a read): at a 10-s timeout, reads every timeout / 40 made that up
+        # to 500 ms past the timeout. Capped at DETECT_TICK_S (a read of every node's heartbeat is
+        # one request, and unchanged records are not verified again).
+        self.watch_interval = (watch_interval if watch_interval is not None
+                               else min(heartbeat_timeout / 40, DETECT_TICK_S))
         self.require_majority = require_majority
         self._master: Optional[dist.TCPStore] = None
         self._stop = threading.Event()
@@ -373,6 +381,7 @@ class Coordinator:
         store = agreement.store
         detector = LapseDetector(self.signer, self.heartbeat_timeout)
         cur: Optional[Configuration] = None
+        unit_ids: tuple[Optional[Configuration], list[str], list[str]] = (None, [], [])
         next_tick = time.monotonic()
         while not self._stop.is_set():
             next_tick += self.watch_interval
@@ -382,8 +391,11 @@ class Coordinator:
                     self.latest = cur
                 if cur is not None:
                     # One read per heartbeat unit: a node agent's ranks share their node's heartbeat.
-                    units = list(dict.fromkeys(unit_of(m) for m in cur.members))
-                    raws = store.get_many([hb_key(u) for u in units])
+                    if unit_ids[0] is not cur:  # once per configuration (O(ranks))
+                        units = list(cur.units)
+                        unit_ids = (cur, units, [hb_key(u) for u in units])
+                    units = unit_ids[1]
+                    raws = store.get_many(unit_ids[2])
                     lapsed = set(detector.observe(units, raws, time.monotonic()))
                     if lapsed:
                         self.detections += 1
