@@ -31,16 +31,17 @@ from tests.membership.workers import make_store, pg_worker
 AGENT = """
 import json, sys
 from ftc10d.membership import NodeAgent, TCPMembershipStore
-agent = NodeAgent(TCPMembershipStore(sys.argv[1], int(sys.argv[2])), heartbeat_timeout=1.0).start()
+agent = NodeAgent(TCPMembershipStore(sys.argv[1], int(sys.argv[2])), heartbeat_timeout=float(sys.argv[3]),
+                  watchers=int(sys.argv[4])).start()
 print(json.dumps({"id": agent.id, "path": agent.path}), flush=True)
 sys.stdin.read()
 agent.close()
 """
 
 
-def _agent_process(co: Coordinator) -> tuple[subprocess.Popen, dict[str, str]]:
-    proc = subprocess.Popen([sys.executable, "-c", AGENT, co.host, str(co.port)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+def _agent_process(co: Coordinator, timeout: float = 1.0, watchers: int = 2) -> tuple[subprocess.Popen, dict[str, str]]:
+    proc = subprocess.Popen([sys.executable, "-c", AGENT, co.host, str(co.port), str(timeout), str(watchers)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     info = json.loads(proc.stdout.readline())
     return proc, info
@@ -251,3 +252,110 @@ def test_on_etcd_the_ranks_records_ride_on_the_nodes_lease(etcd1: Any) -> None:
             job.collect([0, 2], timeout=60)
         finally:
             job.close()
+
+
+def test_the_coordinator_removes_a_silent_node_at_its_timeout_not_reads_later() -> None:
+    """Agents stream each beat to the coordinator's notifier after writing it, and its detector
+    judges lapses every 25 ms on what arrived. Judged on its reads of every heartbeat alone (here
+    one every 1.4 s at a 3-s timeout), a beat is first seen up to a read late: a silent node went
+    up to 1.4 s past the timeout (2.8 s before lapses were judged between reads). Four nodes;
+    two agents are SIGSTOPped one after the other (no ring: the coordinator alone detects); each
+    removal comes after the timeout, counted from the node's last beat in the store, and less
+    than 0.3 s past it."""
+    import threading
+
+    from ftc10d.membership import Agreement, MemberInfo, Signer
+    from ftc10d.membership.agreement import cfg_key, mem_key
+
+    timeout = 3.0
+    with Coordinator(heartbeat_timeout=timeout, watch_interval=1.4) as co:
+        procs = [_agent_process(co, timeout=timeout, watchers=0) for _ in range(4)]
+        links: list[tuple[NodeLink, str]] = []
+        done = threading.Event()
+        try:
+            store, signer = co.membership_store(), Signer(None)
+            for _, info in procs:
+                for j in range(2):
+                    mid = f"{info['id']}.{j}"
+                    rec = MemberInfo(id=mid, handle=f"ftc10d/v1/test/{mid}", host="test", pid=0)
+                    store.put(mem_key(mid), signer.encode(mem_key(mid), rec.to_body()))
+                    store.append_join(mid)
+            # Each rank beats its agent over the real local link (an agent removes a rank of its
+            # own that does not), from this process: only the agent processes are frozen below.
+            links = [(NodeLink(info["path"]), f"{info['id']}.{j}") for _, info in procs for j in range(2)]
+
+            def beat_links() -> None:
+                n = 0
+                while not done.wait(0.1):
+                    n += 1
+                    for link, mid in links:
+                        link.beat(n, mid, timeout=0.0)
+
+            threading.Thread(target=beat_links, daemon=True).start()
+            cur = Agreement(store, signer, expected=8).propose_first(reason="test").config
+            assert cur is not None and cur.size == 8, cur
+            time.sleep(timeout + 0.5)  # every node has been seen beating since it was listed
+            silences = []
+            for victim_proc, victim in (procs[1], procs[2]):
+                last_beat = [time.monotonic()]
+                stop_watch = threading.Event()
+
+                def watch_beats() -> None:  # when the node's heartbeat last changed in the store
+                    own = co.membership_store()
+                    prev = own.get(hb_key(victim["id"]))
+                    while not stop_watch.is_set():
+                        raw = own.get(hb_key(victim["id"]))
+                        if raw != prev:
+                            prev, last_beat[0] = raw, time.monotonic()
+                        time.sleep(0.002)
+
+                watcher = threading.Thread(target=watch_beats, daemon=True)
+                watcher.start()
+                time.sleep(0.5)
+                victim_proc.send_signal(signal.SIGSTOP)
+                deadline = time.monotonic() + 4 * timeout
+                while not store.exists(cfg_key(cur.epoch + 1)) and time.monotonic() < deadline:
+                    time.sleep(0.002)
+                removed_at = time.monotonic()
+                stop_watch.set()
+                watcher.join()
+                nxt = Agreement(store, signer).read_config(cur.epoch + 1)
+                assert nxt is not None, "the silent node was not removed"
+                gone = {unit_of(m) for m in cur.members} - {unit_of(m) for m in nxt.members}
+                assert gone == {victim["id"]} and "coordinator" in nxt.reason, nxt.reason
+                silences.append(removed_at - last_beat[0])
+                cur = nxt
+            assert all(timeout - 0.05 < x < timeout + 0.3 for x in silences), \
+                f"removed {[round(x, 3) for x in silences]} s after their last beats (timeout {timeout:g} s)"
+        finally:
+            done.set()
+            for link, _ in links:
+                link.close()
+            for proc, _ in procs:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.wait()
+
+
+def test_streaming_a_beat_never_blocks_on_a_notifier_that_stopped_reading() -> None:
+    """A frozen coordinator stops reading its agents' beats: an agent's ``send_beat`` must
+    return at once (the beat is in the store already), or its store heartbeat would stop too."""
+    import socket
+
+    from ftc10d.membership.notify import HintClient
+
+    with socket.socket() as lst:
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(1)
+        client = HintClient("127.0.0.1", lst.getsockname()[1])
+        peer, _ = lst.accept()  # never reads
+        try:
+            t0 = time.monotonic()
+            for n in range(20000):  # ~2 MB: more than the socket buffers hold
+                client.send_beat("a" * 32, f"{n}:{'s' * 64}".encode())
+            took = time.monotonic() - t0
+            assert took < 10.0, f"20,000 beats took {took:.1f} s: a send blocked"
+            assert client.wait(0.01) == []  # the connection still works for hints
+        finally:
+            client.close()
+            peer.close()

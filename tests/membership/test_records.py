@@ -9,6 +9,7 @@ does not match), and a record is decoded once per process however many agents re
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import pytest
 
@@ -173,3 +174,66 @@ def test_a_32768_rank_configuration_fits_one_record_and_an_oversized_one_is_refu
     # Past the limit: a typed error at the writer, naming the size and the limit.
     with pytest.raises(MembershipError, match="over the limit"):
         signer.encode(cfg_key(2), {"members": ["x" * 1000] * (records.MAX_RECORD_BYTES // 1000 + 1)})
+
+
+def test_report_exit_reads_the_chain_from_the_configuration_the_caller_holds() -> None:
+    """A launcher's node agent holds the configuration: its ``report_exit`` reads the chain from
+    there (a few small records), not from the last full copy (at 32,768 ranks a cold read took
+    ~100 ms of the exit's path). A stale configuration (older epochs since) still leads to the
+    latest, and the removal is the same as a cold reader's."""
+    from ftc10d.membership import agreement
+    from ftc10d.membership.agreement import FULL_EVERY, Agreement
+    from ftc10d.membership.tcp import Coordinator, TCPMembershipStore
+
+    signer = Signer("t")
+    with Coordinator(detect=False, notify=False, token="t") as co:
+        writer = Agreement(co.membership_store(), signer)
+        ids = _ids(N)
+        chain = []
+        prev = None
+        for e in range(1, FULL_EVERY + 6):
+            cfg = Configuration(epoch=e, uuid=1000 + e, handles=tuple(f"h-{m}" for m in ids), members=tuple(ids),
+                                incarnation=writer.incarnation())
+            ok, got = writer._install(cfg, prev)
+            assert ok and got is not None
+            chain.append(got)
+            prev = got
+            ids = ids[1:] + [f"n{e + 1}.0000"]
+        from ftc10d.membership.agreement import KEY_START
+
+        # The chain's start, as propose_first writes it (the latest is looked for from there).
+        start = {"kind": "start", "epoch": 1, "inc": chain[0].incarnation}
+        writer.store.put(KEY_START, signer.encode(KEY_START, start))
+        top = chain[-1]
+        gone = [top.handles[5], top.handles[6], top.handles[7]]
+
+        class Recording(TCPMembershipStore):
+            """Names the full records (a 2-MB read at 32,768 ranks) this reader fetched."""
+
+            full: list[str] = []
+
+            def get(self, key: str) -> Optional[bytes]:
+                raw = super().get(key)
+                if raw is not None and b'"members"' in raw:
+                    self.full.append(key)
+                return raw
+
+        agreement._DECODED.clear()  # as a process that decoded none of it
+        warm_store = Recording(co.host, co.port)
+        warm = Agreement(warm_store, Signer("t")).report_exit(gone[0], known=top)
+        assert warm.changed and warm.config is not None and warm.config.epoch == top.epoch + 1
+        assert gone[0] not in warm.config.handle_set and warm.config.size == top.size - 1
+        assert warm_store.full == [], warm_store.full  # deltas only
+
+        agreement._DECODED.clear()
+        cold_store = Recording(co.host, co.port)
+        cold_store.full = []
+        cold = Agreement(cold_store, Signer("t")).report_exit(gone[1])
+        assert cold.changed and cold.config is not None and cold.config.epoch == top.epoch + 2
+        assert cold_store.full, "a reader with no configuration starts from a full record"
+
+        # Known but stale (two epochs behind): the latest is still found, nothing is undone.
+        agreement._DECODED.clear()
+        stale = Agreement(co.membership_store(), Signer("t")).report_exit(gone[2], known=top)
+        assert stale.changed and stale.config is not None and stale.config.epoch == top.epoch + 3
+        assert not set(gone) & stale.config.handle_set and stale.config.size == top.size - 3

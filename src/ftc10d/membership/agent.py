@@ -151,6 +151,7 @@ class NodeAgent:
         self._beat_gap_at = time.monotonic()
         self._last_seen: dict[str, float] = {}  # local member id -> when its last local beat came
         self._coordinator_detects = False  # announced in the store (DETECTOR_KEY)
+        self._hints: Optional[HintClient] = None  # the watch thread's connection to the notifier
         self.proposals = 0  # removals this agent proposed (tests, benchmarks)
         self.pushed = 0  # configurations taken from the record pushed with a hint (no store read)
 
@@ -302,8 +303,12 @@ class NodeAgent:
 
     def _beat_once(self, store: MembershipStore, n: int) -> None:
         key = hb_key(self.id)
-        store.put(key, self._signer.encode_beat(key, n), leased=True)
+        record = self._signer.encode_beat(key, n)
+        store.put(key, record, leased=True)
         self._store_ok_at = time.monotonic()
+        hints = self._hints
+        if hints is not None:  # streamed to the coordinator's detector once it is in the store
+            hints.send_beat(self.id, record)
 
     def _beat_loop(self) -> None:
         store = self._thread_store()
@@ -365,7 +370,7 @@ class NodeAgent:
             try:
                 if hints is None and store.kind == "tcp" and time.monotonic() >= next_try:
                     next_try = time.monotonic() + WAIT_SLICE
-                    hints = self._connect_hints(store)
+                    hints = self._hints = self._connect_hints(store)
                 cur = self._cur
                 if cur is None:
                     with self._lock:
@@ -379,7 +384,7 @@ class NodeAgent:
                                 hints.wait(safety)
                             except OSError:
                                 hints.close()
-                                hints = None
+                                hints = self._hints = None
                         else:
                             store.wait_for(KEY_START, min(WAIT_SLICE, self.heartbeat_timeout), self._stop)
                         continue
@@ -402,7 +407,7 @@ class NodeAgent:
                         logger.info("membership: node agent %s lost the coordinator's hints (%s); polling",
                                     self.id, exc)
                         hints.close()
-                        hints = None
+                        hints = self._hints = None
                         carried.clear()
                         continue
                     raw = carried.pop(cur.epoch + 1, None)
@@ -435,6 +440,7 @@ class NodeAgent:
             except Exception:
                 logger.warning("membership: watcher of node agent %s failed", self.id, exc_info=True)
                 self._stop.wait(self.heartbeat_interval)
+        self._hints = None
         if hints is not None:
             hints.close()
         self._release(store)

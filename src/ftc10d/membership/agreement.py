@@ -274,7 +274,9 @@ class Agreement:
             epoch = max(epoch, head["epoch"])
         if hint is not None:
             epoch = max(epoch, hint)
-        cfg = self.read_config(epoch)
+        # A configuration this reader already holds (``remember``: a caller's, verified) is not
+        # read again: a delta's base may be a full record megabytes long.
+        cfg = self._cache.get((inc, epoch)) or self.read_config(epoch)
         if cfg is None and epoch != base:
             epoch, cfg = base, self.read_config(base)
         while cfg is not None and self.store.exists(cfg_key(epoch + 1)):

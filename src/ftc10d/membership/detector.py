@@ -81,3 +81,25 @@ class LapseDetector:
         self._last = keep
         self._raw = seen_raw
         return lapsed
+
+    def saw(self, member_id: str, raw: bytes, when: float) -> None:
+        """A heartbeat record of ``member_id`` seen outside a read (streamed to the observer at
+        local time ``when``, after it was written to the store): its counter counts as first
+        seen then, if that is new or earlier. Members not being watched are ignored."""
+        prev = self._last.get(member_id)
+        if prev is None:
+            return
+        n = beat_counter(self.signer, member_id, raw)
+        if n is None:
+            return
+        if n > prev[0] or (n == prev[0] and when < prev[1]):
+            self._last[member_id] = (n, when)
+            self._raw[member_id] = raw
+
+    def judge(self, now: float) -> list[str]:
+        """The members lapsed at ``now`` on what was seen so far, without a read (between
+        reads, with beats streamed by :meth:`saw`). Nobody is judged if the observer's last read
+        is more than half a timeout old: its own reads stalled, and the next read resets."""
+        if self._prev_now is None or now - self._prev_now > self.timeout / 2:
+            return []
+        return [m for m, (_, t) in self._last.items() if now - t > self.timeout]

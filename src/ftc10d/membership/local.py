@@ -55,6 +55,11 @@ class FrameBuffer:
     def __init__(self) -> None:
         self._buf = bytearray()
 
+    @property
+    def buffered(self) -> int:
+        """Bytes held of a frame not yet complete."""
+        return len(self._buf)
+
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         self._buf += data
         out: list[dict[str, Any]] = []

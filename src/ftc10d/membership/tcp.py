@@ -35,7 +35,7 @@ from ftc10d.membership.agreement import Agreement, Configuration, cfg_key, hb_ke
 from ftc10d.membership.detector import LapseDetector
 from ftc10d.membership.records import Signer
 from ftc10d.membership.store import MembershipStore, count_request, requests_made  # noqa: F401 (re-exported)
-from ftc10d.types import StoreUnavailableError
+from ftc10d.types import InvalidOptionError, StoreUnavailableError
 
 logger = logging.getLogger("ftc10d")
 
@@ -248,9 +248,10 @@ class TCPMembershipStore(MembershipStore):
 
 #: How often ``TCPMembershipStore.wait_for`` looks for its key.
 POLL_S = 0.02
-#: The coordinator's detector reads every heartbeat at least this often (and every timeout / 40
-#: if that is shorter): a silent node is removed within the timeout + ~2 reads.
-DETECT_TICK_S = 0.025
+#: With beats streamed to the notifier, the coordinator's detector judges lapses this often (and
+#: reads every heartbeat from the store every ``watch_interval``): a silent node is removed
+#: within the timeout + this, not the timeout + two reads (500 ms at a 10-s timeout).
+JUDGE_TICK_S = 0.025
 
 
 # ================================================================ coordinator
@@ -302,12 +303,15 @@ class Coordinator:
         self.signer = Signer(token)
         self.detect = detect
         self.heartbeat_timeout = heartbeat_timeout
-        # A lapse is seen up to two reads late (the last beat is first seen one read after it was
-        # written, and judged at a read): at a 10-s timeout, reads every timeout / 40 made that up
-        # to 500 ms past the timeout. Capped at DETECT_TICK_S (a read of every node's heartbeat is
-        # one request, and unchanged records are not verified again).
-        self.watch_interval = (watch_interval if watch_interval is not None
-                               else min(heartbeat_timeout / 40, DETECT_TICK_S))
+        self.watch_interval = watch_interval if watch_interval is not None else heartbeat_timeout / 40
+        if detect and not 0 < self.watch_interval < heartbeat_timeout / 2:
+            # Reads half a timeout apart are the detector's own gap (it was starved or frozen):
+            # it would restart every clock at every read and never remove anyone.
+            raise InvalidOptionError(
+                f"watch_interval={self.watch_interval:g} s must be positive and under half the heartbeat "
+                f"timeout ({heartbeat_timeout:g} s); the default is timeout / 40")
+        self._beats: dict[str, tuple[bytes, float]] = {}  # node -> its newest streamed beat, arrival
+        self._beats_lock = threading.Lock()
         self.require_majority = require_majority
         self._master: Optional[dist.TCPStore] = None
         self._stop = threading.Event()
@@ -327,7 +331,8 @@ class Coordinator:
         if self.notify:
             from ftc10d.membership.notify import Notifier
 
-            self._notifier = Notifier(self.membership_store(), self.signer, self.host).start()
+            self._notifier = Notifier(self.membership_store(), self.signer, self.host,
+                                      on_beat=self._on_beat if self.detect else None).start()
         if self.detect:
             from ftc10d.membership.notify import DETECTOR_KEY
 
@@ -376,15 +381,30 @@ class Coordinator:
 
     # --------------------------------------------------------------- detector
 
+    def _on_beat(self, node: str, raw: bytes, when: float) -> None:
+        with self._beats_lock:
+            if len(self._beats) < 1 << 20:  # bounded: names come from the network
+                self._beats[node] = (raw, when)
+
+    def _take_beats(self, detector: LapseDetector) -> None:
+        with self._beats_lock:
+            beats, self._beats = self._beats, {}
+        for node, (raw, when) in beats.items():
+            detector.saw(node, raw, when)
+
     def _detect_loop(self) -> None:
         agreement = self.agreement()
         store = agreement.store
         detector = LapseDetector(self.signer, self.heartbeat_timeout)
         cur: Optional[Configuration] = None
         unit_ids: tuple[Optional[Configuration], list[str], list[str]] = (None, [], [])
-        next_tick = time.monotonic()
+        # Every heartbeat is read every watch_interval; with beats streamed (the notifier), lapses
+        # are judged in between, every JUDGE_TICK_S, on what arrived.
+        tick = min(self.watch_interval, JUDGE_TICK_S) if self._notifier is not None else self.watch_interval
+        next_tick = next_read = time.monotonic()
+        proposed: tuple[frozenset[str], float] = (frozenset(), 0.0)
         while not self._stop.is_set():
-            next_tick += self.watch_interval
+            next_tick += tick
             try:
                 if cur is None or store.exists(cfg_key(cur.epoch + 1)) or store.connection_epoch != agreement._inc_conn:
                     cur = agreement.latest(hint=None if cur is None else cur.epoch)
@@ -395,9 +415,18 @@ class Coordinator:
                         units = list(cur.units)
                         unit_ids = (cur, units, [hb_key(u) for u in units])
                     units = unit_ids[1]
-                    raws = store.get_many(unit_ids[2])
-                    lapsed = set(detector.observe(units, raws, time.monotonic()))
+                    self._take_beats(detector)  # first: a streamed beat arrived before this read
+                    if time.monotonic() >= next_read:
+                        next_read = time.monotonic() + self.watch_interval
+                        raws = store.get_many(unit_ids[2])
+                        lapsed = set(detector.observe(units, raws, time.monotonic()))
+                    else:
+                        lapsed = set(detector.judge(time.monotonic())) & cur.unit_order.keys()
+                    now = time.monotonic()
+                    if lapsed and lapsed == proposed[0] and now - proposed[1] < self.watch_interval:
+                        lapsed = set()  # proposed a moment ago (blocked, or not yet applied here)
                     if lapsed:
+                        proposed = (frozenset(lapsed), now)
                         self.detections += 1
                         out = agreement.propose({m: "heartbeat" for m in cur.members if unit_of(m) in lapsed},
                                                 reason="coordinator: heartbeat lapsed")
