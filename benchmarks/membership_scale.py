@@ -431,7 +431,20 @@ def sim_process(idx: int, nprocs: int, port: int, opts: dict[str, Any]) -> dict[
     sim = RankSim(agents, opts["ranks"], opts["timeout"] * opts["rank_beat"], opts["rank_sockets"])
     control.set(f"agents/{idx}", json.dumps([a.id for a in agents]))
     last = 0
+    prof: Any = None
     while not control.check(["stop"]):
+        if opts.get("profile") and idx == 0:
+            # --profile: the first agents' process under cProfile from the exit to its end
+            # (on greenlets every agent runs on this one thread, so the profile sees them all).
+            if prof is None and control.check(["profile"]):
+                import cProfile
+
+                prof = cProfile.Profile()
+                prof.enable()
+            elif prof is not None and control.check(["unprofile"]):
+                prof.disable()
+                prof.dump_stats(opts["profile"])
+                opts["profile"] = None
         # Report, every 50 ms: how many ranks here hold each epoch the harness asks about.
         if control.check(["ask"]):
             epoch = int(control.get("ask"))
@@ -490,7 +503,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ftc10d.membership import Agreement, Signer
 
     opts: dict[str, Any] = {"nodes": args.nodes, "ranks": args.ranks, "timeout": args.timeout, "poll": args.poll,
-                            "rank_beat": args.rank_beat, "rank_sockets": args.rank_sockets, "host": args.host}
+                            "rank_beat": args.rank_beat, "rank_sockets": args.rank_sockets, "host": args.host,
+                            "profile": os.path.abspath(args.profile) if args.profile else None}
     coord = etcd = listener = None
     if args.etcd:
         etcd = Etcd()
@@ -541,14 +555,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         assert now is not None
         live = [n for n in nodes if f"{n}.0000" in now.member_set]
         victim = f"{live[len(live) // 2]}.0003"
-        t_exit = time.monotonic()
         # As the launcher does: its node agent holds the configuration, the chain is read from it.
-        rep = Agreement(_store(opts), signer).report_exit(handles[victim], known=now)
+        reporter = Agreement(_store(opts), signer)
+        burst_cpu0 = sum(_cpu_seconds(p.pid) for p in job.procs)
+        if args.profile:
+            control.set("profile", "1")
+            time.sleep(0.2)
+        t_exit = time.monotonic()
+        rep = reporter.report_exit(handles[victim], known=now)
         report_ms = (time.monotonic() - t_exit) * 1e3
         if rep.config is None or victim in rep.config.member_set:
             raise RuntimeError(f"the exit of {victim} was not agreed: {rep}")
         e1 = rep.config.epoch
         _holding(control, args.procs, e1, size, 120)
+        # The agents' processes' CPU for that change, beyond their steady state: what each node
+        # pays for a configuration (here 4,096 of them one after another on 2 cores).
+        burst = time.monotonic() - t_exit
+        burst_cpu = sum(_cpu_seconds(p.pid) for p in job.procs) - burst_cpu0 - sim_cpu * burst
+        if args.profile:
+            control.set("unprofile", "1")
         # What each real node pays on its own for that change: verify and apply the record.
         decode_ms = _decode_cost(store, signer, e1)
         # A node's silence.
@@ -612,6 +637,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "notifier_ms": (heard[e2] - t_silent) * 1e3 if e2 in heard else None,
             "agents_hinted": hop(e2, t_silent, "hinted"), "agents_took": hop(e2, t_silent, "taken")},
         "steady_loop_lag": lag(w0, w1), "agents_cpu": sim_cpu,
+        "exit_cpu_per_node_ms": burst_cpu / args.nodes * 1e3, "exit_cpu_s": burst_cpu,
     }
     return {
         "nodes": args.nodes, "ranks": size, "store": "etcd" if args.etcd else "tcp", "timeout": args.timeout,
@@ -675,6 +701,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-coordinator-detect", dest="coordinator_detect", action="store_false",
                     help="TCPStore: the coordinator only hosts the store; the agents' rings detect at full pace")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="cProfile the first agents' process from a rank's exit until every rank holds it "
+                         "(read with python -m pstats FILE)")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-port", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-dir", default=None, help=argparse.SUPPRESS)
@@ -731,7 +760,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                      ["silence: agents took it, p50 / p99", pq(ph["silence"]["agents_took"])]]
     hop_rows += [["steady state: agents' processes' loop lag, p50 / p99 / max",
                   "{:.0f} / {:.0f} / {:.0f} ms".format(*ph["steady_loop_lag"])],
-                 ["steady state: agents' processes' CPU", f"{ph['agents_cpu'] * 100:.0f}% of a core"]]
+                 ["steady state: agents' processes' CPU", f"{ph['agents_cpu'] * 100:.0f}% of a core"],
+                 ["exit: agents' processes' CPU beyond steady state (per node)",
+                  f"{ph['exit_cpu_s']:.2f} s ({ph['exit_cpu_per_node_ms']:.2f} ms)"]]
     print(table(["per hop (each from the event)", "measured"], hop_rows))
     for line in r["other_changes"]:
         print(f"other configuration change meanwhile (not a measured event): {line}")

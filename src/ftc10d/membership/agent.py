@@ -69,7 +69,7 @@ def node_ring(cfg: Configuration, node: str, k: int) -> list[str]:
     i = cfg.unit_order.get(node)
     if i is None or k <= 0:
         return []
-    units = list(cfg.units)
+    units = cfg.unit_list
     n = len(units)
     return [units[(i + j) % n] for j in range(1, min(k, n - 1) + 1)]
 

@@ -136,6 +136,11 @@ class Configuration:
         return {u: i for i, u in enumerate(self.units)}
 
     @cached_property
+    def unit_list(self) -> tuple[str, ...]:
+        """The units in order (a ring is read from it: one copy per configuration, not per reader)."""
+        return tuple(self.units)
+
+    @cached_property
     def digest(self) -> str:
         """Names the ordered member list: a delta record is checked against it."""
         text = "\n".join(map("{} {}".format, self.members, self.handles))
