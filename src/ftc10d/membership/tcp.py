@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
-from ftc10d.membership.agreement import Agreement, Configuration, cfg_key, hb_key, unit_of
+from ftc10d.membership.agreement import Agreement, Configuration, cfg_key, hb_key
 from ftc10d.membership.detector import LapseDetector
 from ftc10d.membership.records import Signer
 from ftc10d.membership.store import MembershipStore, count_request, requests_made  # noqa: F401 (re-exported)
@@ -428,7 +428,7 @@ class Coordinator:
                     if lapsed:
                         proposed = (frozenset(lapsed), now)
                         self.detections += 1
-                        out = agreement.propose({m: "heartbeat" for m in cur.members if unit_of(m) in lapsed},
+                        out = agreement.propose({m: "heartbeat" for u in lapsed for m in cur.units.get(u, ())},
                                                 reason="coordinator: heartbeat lapsed")
                         if out.blocked:
                             logger.warning("membership coordinator: %s", out.blocked)
