@@ -9,7 +9,9 @@ are alive to everyone who looks; when it stops, all of them lapse together.
 
 The agent does for the node what every rank did for itself:
 
-- **beat**: writes ``hb/<node>`` every ``heartbeat_interval`` (renews the etcd lease).
+- **beat**: writes ``hb/<node>`` every ``heartbeat_interval`` (renews the etcd lease), then
+  streams the same record to the coordinator's notifier, whose detector then sees the beat
+  when it is written rather than at its next read (:mod:`ftc10d.membership.notify`).
 - **watch**: waits for the next configuration -- pushed with the coordinator's hint
   (:mod:`ftc10d.membership.notify`: one poll and one read per job), else one store poll
   per node, never one per rank -- and pushes each record to its workers over the local
