@@ -261,7 +261,7 @@ def test_the_coordinator_removes_a_silent_node_at_its_timeout_not_reads_later() 
     up to 1.4 s past the timeout (2.8 s before lapses were judged between reads). Four nodes;
     two agents are SIGSTOPped one after the other (no ring: the coordinator alone detects); each
     removal comes after the timeout, counted from the node's last beat in the store, and less
-    than 0.3 s past it."""
+    than 0.35 s past it."""
     import threading
 
     from ftc10d.membership import Agreement, MemberInfo, Signer
@@ -325,7 +325,11 @@ def test_the_coordinator_removes_a_silent_node_at_its_timeout_not_reads_later() 
                 assert gone == {victim["id"]} and "coordinator" in nxt.reason, nxt.reason
                 silences.append(removed_at - last_beat[0])
                 cur = nxt
-            assert all(timeout - 0.05 < x < timeout + 0.3 for x in silences), \
+            # The lower bound is loose: the watcher thread sees the last beat up to a scheduling
+            # delay late on a loaded 2-core CI machine (2.949 s was measured there once), which
+            # shortens the figure; a detector that judged early (e.g. from its reads) is off by
+            # far more. The upper bound is the point: reads alone give 3.43-3.96 s here.
+            assert all(timeout - 0.25 < x < timeout + 0.35 for x in silences), \
                 f"removed {[round(x, 3) for x in silences]} s after their last beats (timeout {timeout:g} s)"
         finally:
             done.set()
