@@ -166,7 +166,9 @@ def test_a_32768_rank_configuration_fits_one_record_and_an_oversized_one_is_refu
                                                        for i in range(len(ids))),
                         members=tuple(ids), incarnation="inc", full_epoch=1)
     raw = signer.encode(cfg_key(1), cfg.to_body(None))
-    assert len(raw) > 2_000_000
+    # Stored deflated (every node reads it at once from one store): a third of the JSON or less.
+    text = json.dumps({"b": cfg.to_body(None)}, separators=(",", ":")).encode()
+    assert len(text) > 2_000_000 and raw[:1] == b"z" and len(raw) < len(text) // 3, (len(text), len(raw))
     body = signer.decode(cfg_key(1), raw)
     assert body is not None
     got = Configuration.from_body(body, 1, None)
@@ -237,3 +239,58 @@ def test_report_exit_reads_the_chain_from_the_configuration_the_caller_holds() -
         stale = Agreement(co.membership_store(), Signer("t")).report_exit(gone[2], known=top)
         assert stale.changed and stale.config is not None and stale.config.epoch == top.epoch + 3
         assert not set(gone) & stale.config.handle_set and stale.config.size == top.size - 3
+
+
+def test_big_records_are_stored_deflated_and_bad_deflated_records_are_refused() -> None:
+    """Records over ``COMPRESS_OVER`` are zlib-deflated behind a ``z``; small ones stay plain JSON
+    (the usual job's records are unchanged). A deflated record is checked like any other (its
+    signature covers the inflated body), and one that is corrupt, truncated or inflates past
+    ``MAX_RECORD_BYTES`` is refused without being inflated further."""
+    import zlib
+
+    signer = Signer("tok")
+    small = signer.encode(cfg_key(1), _cfg(1, _ids(8)).to_body(None))
+    assert small[:1] == b"{"
+    big_cfg = _cfg(1, _ids(4000))
+    big = signer.encode(cfg_key(1), big_cfg.to_body(None))
+    assert big[:1] == b"z" and len(zlib.decompress(big[1:])) > records.COMPRESS_OVER
+    body = signer.decode(cfg_key(1), big)
+    assert body is not None and Configuration.from_body(body, 1, None) == big_cfg
+    # The signature covers the key and the inflated body: moved to another key, it is refused.
+    assert signer.decode(cfg_key(2), big) is None
+    # Another job's (another token's) deflated record does not verify either.
+    assert Signer("other").decode(cfg_key(1), big) is None
+
+    refused = signer.rejected
+    inner = zlib.decompress(big[1:])
+    tampered = b"z" + zlib.compress(inner.replace(b"n0.0001", b"n0.9999", 1), 1)
+    corrupt = big[:40] + bytes([big[40] ^ 0xFF]) + big[41:]
+    truncated = big[: len(big) // 2]
+    bomb = b"z" + zlib.compress(b"{" + b" " * (records.MAX_RECORD_BYTES + 10), 9)
+    assert len(bomb) < 100_000  # small on the wire, 32 MiB inflated
+    for bad in (tampered, corrupt, truncated, bomb, b"z", b"znot zlib"):
+        assert signer.decode(cfg_key(1), bad) is None
+    assert signer.rejected == refused + 6
+
+
+def test_a_32768_rank_first_configuration_is_read_back_from_a_real_store() -> None:
+    """The job's first configuration at 4,096 nodes x 8 ranks goes through a real TCPStore
+    deflated (~0.5 MB instead of ~2 MB) and a reader in another process's shoes (a fresh
+    Agreement) gets the same ordered member list."""
+    from ftc10d.membership.agreement import Agreement
+    from ftc10d.membership.tcp import Coordinator
+
+    signer = Signer("t")
+    ids = [f"{n:016x}.{r:016x}" for n in range(4096) for r in range(8)]
+    cfg = Configuration(epoch=1, uuid=9, handles=tuple(f"ftc10d/v1/node-{i // 8:05d}.cluster/{40000 + i}/{i:016x}"
+                                                       for i in range(len(ids))),
+                        members=tuple(ids), incarnation="x", full_epoch=1)
+    with Coordinator(detect=False, notify=False, token="t") as co:
+        writer = Agreement(co.membership_store(), signer)
+        cfg = Configuration(**{**cfg.__dict__, "incarnation": writer.incarnation()})
+        ok, _ = writer._install(cfg, None)
+        assert ok
+        raw = co.membership_store().get(cfg_key(1))
+        assert raw is not None and raw[:1] == b"z" and len(raw) < 800_000, len(raw or b"")
+        got = Agreement(co.membership_store(), Signer("t")).read_config(1)
+        assert got is not None and got.members == cfg.members and got.handles == cfg.handles

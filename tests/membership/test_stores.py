@@ -266,9 +266,9 @@ def test_a_confirmed_exit_needs_no_majority(coordinator: Coordinator) -> None:
 
 @needs_etcd
 def test_a_record_past_etcds_request_limit_is_a_clear_error() -> None:
-    """At ~20,000 ranks a full configuration record passes etcd's default --max-request-bytes
-    (1.5 MiB): say so, and how to raise it, instead of an opaque etcd error (here an etcd
-    started with a 64 KiB limit and a 100 KB record)."""
+    """At ~40,000 ranks a full configuration record (deflated) passes etcd's default
+    --max-request-bytes (1.5 MiB): say so, and how to raise it, instead of an opaque etcd error
+    (here an etcd started with a 64 KiB limit and a 100 KB record)."""
     from ftc10d.membership import EtcdMembershipStore
     from ftc10d.types import MembershipError
 
@@ -279,6 +279,33 @@ def test_a_record_past_etcds_request_limit_is_a_clear_error() -> None:
             store.put("cfg/000000000001", b"x" * 100_000)
         store.put("small", b"ok")  # nothing else broke
         assert store.get("small") == b"ok"
+    finally:
+        cluster.stop()
+
+
+@needs_etcd
+def test_a_32768_rank_first_configuration_fits_etcds_default_request_limit() -> None:
+    """4,096 nodes x 8 ranks with random member ids and handles: ~3.3 MB of JSON, ~1 MB deflated,
+    ~1.3 MB base64-encoded in etcd's API: under its default --max-request-bytes (1.5 MiB), so
+    such a job forms on a stock etcd (it was refused before records were deflated)."""
+    import secrets
+
+    from ftc10d.membership import EtcdMembershipStore
+    from ftc10d.membership.configuration import Configuration
+
+    cluster = EtcdCluster(1).start()
+    try:
+        store = EtcdMembershipStore(cluster.endpoints, prefix=f"/first{time.monotonic_ns()}/")
+        writer = Agreement(store, Signer("t"))
+        ids = [f"{secrets.token_hex(8)}.{secrets.token_hex(8)}" for _ in range(4096 * 8)]
+        handles = [f"ftc10d/v1/node-{i // 8:05d}.cluster.internal/{40000 + i % 8}/{secrets.token_hex(8)}"
+                   for i in range(len(ids))]
+        cfg = Configuration(epoch=1, uuid=3, handles=tuple(handles), members=tuple(ids),
+                            incarnation=writer.incarnation(), full_epoch=1)
+        ok, _ = writer._install(cfg, None)
+        assert ok
+        got = Agreement(EtcdMembershipStore(cluster.endpoints, prefix=store.prefix), Signer("t")).read_config(1)
+        assert got is not None and got.members == cfg.members and got.handles == cfg.handles
     finally:
         cluster.stop()
 

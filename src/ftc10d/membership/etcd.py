@@ -150,9 +150,10 @@ class EtcdMembershipStore(MembershipStore):
                 if "request is too large" in text:
                     size = len(json.dumps(payload))
                     raise MembershipError(
-                        f"etcd {self.endpoints[i]} refused a {size}-byte request ({text}): a configuration "
-                        "record lists every rank (~70 bytes each), past etcd's --max-request-bytes (1.5 MiB by "
-                        "default) above ~20,000 ranks. Start etcd with --max-request-bytes=8388608 (8 MiB).") from exc
+                        f"etcd {self.endpoints[i]} refused a {size}-byte request ({text}): a full configuration "
+                        "record lists every rank (~40 bytes each once deflated and base64-encoded), past etcd's "
+                        "--max-request-bytes (1.5 MiB by default) above ~40,000 ranks. Start etcd with "
+                        "--max-request-bytes=8388608 (8 MiB).") from exc
                 errors.append(f"{self.endpoints[i]}: {text}")
         raise StoreUnavailableError(f"etcd {self.describe()} unavailable: " + "; ".join(errors)[:600])
 

@@ -2,7 +2,9 @@
 
 Everything membership writes to the store is a small JSON object wrapped as
 ``{"b": <body>, "s": <hex HMAC-SHA256>}`` (``"s"`` absent without a token),
-except heartbeats, which are ``<counter>`` or ``<counter>:<hex HMAC>``.
+except heartbeats, which are ``<counter>`` or ``<counter>:<hex HMAC>``. A record over
+``COMPRESS_OVER`` bytes (a full configuration of a big job) is stored deflated, ``z`` then
+zlib data: every node reads the first configuration of a job at once, from one store.
 Nothing read from the store is ever unpickled (design invariant 5): a record is
 parsed with :func:`json.loads` and checked for shape, nothing more.
 
@@ -22,6 +24,7 @@ import hmac
 import json
 import logging
 import os
+import zlib
 from typing import Any, Optional, Union
 
 from ftc10d.types import InvalidOptionError, MembershipError
@@ -34,6 +37,13 @@ TOKEN_ENV = "FTC10D_TOKEN"
 #: one is a full configuration: ~61 bytes per rank (its member id and handle), 2 MB at 32,768
 #: ranks, ~6 MB at 100,000; 32 MiB leaves room for ~500,000 ranks with long host names.
 MAX_RECORD_BYTES = 32 << 20
+#: Records bigger than this are stored zlib-deflated (level 1), prefixed ``z`` (a JSON record
+#: starts with ``{``). Only full configurations of jobs over ~1,000 ranks get there; at 32,768
+#: ranks 2 MB becomes ~0.4 MB: 4,096 node agents reading the job's first configuration at once
+#: took ~8 GB of unsent replies in the one store process, and it was OOM-killed (docs/benchmarks.md
+#: §15). Small records, every record of the usual job, are written exactly as before.
+COMPRESS_OVER = 64 << 10
+_ZLIB_MARK = b"z"
 _MAX_LOGGED = 256  # distinct bad records remembered (and logged) per signer
 
 
@@ -81,6 +91,8 @@ class Signer:
                 f"membership record {key!r} is {len(raw)} bytes, over the limit of {MAX_RECORD_BYTES} "
                 f"(ftc10d.membership.records.MAX_RECORD_BYTES): a configuration of this many ranks is "
                 f"beyond what one record holds; use shorter host names or fewer ranks per job")
+        if len(raw) > COMPRESS_OVER:
+            return _ZLIB_MARK + zlib.compress(raw, 1)
         return raw
 
     def decode(self, key: str, raw: Optional[bytes]) -> Optional[dict[str, Any]]:
@@ -91,6 +103,21 @@ class Signer:
         if len(raw) > MAX_RECORD_BYTES:
             self._reject(key, raw[:64], f"record of {len(raw)} bytes is too big")
             return None
+        if raw[:1] == _ZLIB_MARK:
+            # Inflated to at most the limit: a small record that inflates to gigabytes is refused
+            # like a big one, never held in memory.
+            packed, inflate = raw, zlib.decompressobj()
+            try:
+                raw = inflate.decompress(packed[1:], MAX_RECORD_BYTES + 1)
+            except zlib.error:
+                self._reject(key, packed[:64], "not a valid deflated record")
+                return None
+            if len(raw) > MAX_RECORD_BYTES or inflate.unconsumed_tail:
+                self._reject(key, packed[:64], f"deflated record inflates past {MAX_RECORD_BYTES} bytes")
+                return None
+            if not inflate.eof:
+                self._reject(key, packed[:64], "truncated deflated record")
+                return None
         try:
             outer = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
