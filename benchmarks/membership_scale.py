@@ -50,6 +50,7 @@ if os.environ.get("FTC10D_SIM_CHILD") == "green":
     monkey.patch_all()
 
 import argparse
+import hashlib
 import json
 import logging
 import re
@@ -69,6 +70,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import client_store, die_with_parent, dump_json, host_store, machine, percentile, table  # noqa: E402
 from benchmarks.membership import Etcd, _cpu_seconds, _free_port, _start_coordinator  # noqa: E402
+
+
+def rank_id(node: str, j: int) -> str:
+    """A simulated rank's member id, shaped like a real one (``<node>.<16 random hex>``): the
+    records' size and how well they deflate depend on it."""
+    return f"{node}.{hashlib.sha256(f'{node}/{j}'.encode()).hexdigest()[:16]}"
+
+
+def rank_handle(node: str, j: int) -> str:
+    """A simulated rank's reconfigure handle, shaped like ``get_reconfigure_handle()``'s
+    (``ftc10d/v1/<host>/<pid>/<16 random hex>``), so the first configuration is as big and as
+    incompressible as a real job's (~31 bytes per rank deflated, not the ~10 a readable
+    ``sim/<node>/<j>`` would give)."""
+    nonce = hashlib.sha256(f"handle/{node}/{j}".encode()).hexdigest()[:16]
+    return f"ftc10d/v1/node-{node[:6]}.cluster.internal/{30000 + j}/{nonce}"
 
 
 class _Frames:
@@ -189,7 +205,7 @@ class RankSim:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         for agent in agents:
-            ids = [f"{agent.id}.{j:04d}" for j in range(ranks)]
+            ids = [rank_id(agent.id, j) for j in range(ranks)]
             k = max(1, min(sockets, ranks))
             for i in range(k):
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -426,8 +442,8 @@ def sim_process(idx: int, nprocs: int, port: int, opts: dict[str, Any]) -> dict[
         if a._lease is not None:
             rs.borrow_lease(a._lease)
         for j in range(opts["ranks"]):
-            mid = f"{a.id}.{j:04d}"
-            info = MemberInfo(id=mid, handle=f"ftc10d/v1/sim/{a.id}/{j}", host="sim", pid=0)
+            mid = rank_id(a.id, j)
+            info = MemberInfo(id=mid, handle=rank_handle(a.id, j), host="sim", pid=0)
             rs.put(mem_key(mid), signer.encode(mem_key(mid), info.to_body()), leased=True)
             rs.append_join(mid)
     sim = RankSim(agents, opts["ranks"], opts["timeout"] * opts["rank_beat"], opts["rank_sockets"])
@@ -527,6 +543,7 @@ def _holding(control: Any, procs: int, epoch: int, want: int, timeout: float) ->
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from ftc10d.membership import Agreement, Signer
+    from ftc10d.membership.agreement import cfg_key
 
     opts: dict[str, Any] = {"nodes": args.nodes, "ranks": args.ranks, "timeout": args.timeout, "poll": args.poll,
                             "rank_beat": args.rank_beat, "rank_sockets": args.rank_sockets, "host": args.host,
@@ -552,7 +569,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         store = _store(opts)
         signer = Signer(None)
         t_join = time.monotonic()
-        handles = {f"{node}.{j:04d}": f"ftc10d/v1/sim/{node}/{j}" for node in nodes for j in range(args.ranks)}
+        handles = {rank_id(node, j): rank_handle(node, j) for node in nodes for j in range(args.ranks)}
         size = len(handles)
         ag = Agreement(store, signer, expected=size)
         out = ag.propose_first(reason="simulation")
@@ -561,6 +578,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         e0 = out.config.epoch
         got = _holding(control, args.procs, e0, size, 600)
         formed_s = time.monotonic() - t_join
+        first_bytes = len(store.get(cfg_key(e0)) or b"")
+        store_peak_mb = _peak_rss_mb(store_pid)  # formation: every node reads the first record at once
         if got < size:
             raise RuntimeError(f"only {got} of {size} ranks hold the first configuration")
         listener = _HintListener(store) if not args.etcd else None
@@ -579,8 +598,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # overload a starved agent can have been removed already; that change is listed below).
         now = Agreement(_store(opts), signer).latest()
         assert now is not None
-        live = [n for n in nodes if f"{n}.0000" in now.member_set]
-        victim = f"{live[len(live) // 2]}.0003"
+        live = [n for n in nodes if rank_id(n, 0) in now.member_set]
+        victim = rank_id(live[len(live) // 2], 3)
         # As the launcher does: its node agent holds the configuration, the chain is read from it.
         reporter = Agreement(_store(opts), signer)
         burst_cpu0 = sum(_cpu_seconds(p.pid) for p in job.procs)
@@ -668,7 +687,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "nodes": args.nodes, "ranks": size, "store": "etcd" if args.etcd else "tcp", "timeout": args.timeout,
         "host": args.host,
-        "poll": args.poll, "formed_s": formed_s, "requests_per_s": rate, "per_node": rate / args.nodes,
+        "poll": args.poll, "formed_s": formed_s, "first_record_bytes": first_bytes,
+        "store_peak_rss_mb": store_peak_mb, "requests_per_s": rate, "per_node": rate / args.nodes,
         "store_cpu": store_cpu, "report_ms": report_ms,
         "exit_p50": percentile(exit_lat, 50), "exit_p99": percentile(exit_lat, 99), "exit_max": max(exit_lat),
         "exit_n": len(exit_lat),
@@ -679,6 +699,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "other_changes": spurious, "decode_ms": decode_ms, "per_hop": per_hop,
         "detector": "coordinator + rings (backup)" if args.coordinator_detect and not args.etcd else "rings",
     }
+
+
+def _peak_rss_mb(pid: int) -> Optional[float]:
+    """The process's peak resident memory so far (VmHWM), MB; None where /proc does not say."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 def _decode_cost(store: Any, signer: Any, epoch: int) -> float:
@@ -755,6 +787,9 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{args.rank_sockets} local socket(s) per node; {machine()}")
     rows = [
         ["first configuration formed (all ranks hold it)", f"{r['formed_s']:.1f} s"],
+        ["  its record; the store process's peak memory by then",
+         f"{r['first_record_bytes'] / 1e6:.2f} MB; " + (f"{r['store_peak_rss_mb']:.0f} MB"
+                                                        if r["store_peak_rss_mb"] is not None else "n/a")],
         ["store requests/s, steady state (per node)", f"{r['requests_per_s']:.0f} ({r['per_node']:.1f})"],
         ["store process CPU, steady state", f"{r['store_cpu'] * 100:.0f}% of a core"],
         ["a rank's exit: report_exit agreed", f"{r['report_ms']:.0f} ms"],

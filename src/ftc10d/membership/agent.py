@@ -23,6 +23,9 @@ The agent does for the node what every rank did for itself:
   that it reads every node's heartbeat); and watches its own workers' local
   heartbeats, proposing the removal of a rank that stopped beating (a frozen
   process in a live node: fenced like any removed member when it resumes).
+  On etcd (no coordinator) the configuration's first two nodes are *monitors*: each
+  watches every heartbeat as it is written and judges lapses every 25 ms
+  (:mod:`ftc10d.membership.monitor`); the others read their ring every ``timeout / 4``.
 
 On a TCPStore the threads share the agent's one store connection (nobody blocks in
 the store: waits are polls or hints): a node costs the store one connection and ~10
@@ -51,8 +54,9 @@ import time
 from typing import Any, Callable, Optional
 
 from ftc10d.membership.agreement import KEY_START, Agreement, Configuration, cfg_key, hb_key, new_member_id, unit_of
-from ftc10d.membership.detector import LapseDetector
+from ftc10d.membership.detector import JUDGE_TICK_S, LapseDetector
 from ftc10d.membership.local import FrameBuffer, b64, encode
+from ftc10d.membership.monitor import BeatMonitor, monitors_of
 from ftc10d.membership.notify import DETECTOR_KEY, NOTIFY_KEY, SAFETY_POLL_S, HintClient
 from ftc10d.membership.records import Signer
 from ftc10d.membership.store import MembershipStore
@@ -154,6 +158,7 @@ class NodeAgent:
         self._last_seen: dict[str, float] = {}  # local member id -> when its last local beat came
         self._coordinator_detects = False  # announced in the store (DETECTOR_KEY)
         self._hints: Optional[HintClient] = None  # the watch thread's connection to the notifier
+        self._monitor: Optional[BeatMonitor] = None  # etcd: the job-wide watch, while a monitor
         self.proposals = 0  # removals this agent proposed (tests, benchmarks)
         self.pushed = 0  # configurations taken from the record pushed with a hint (no store read)
 
@@ -181,6 +186,9 @@ class NodeAgent:
             self._stop.set()
             self._cleanup()
             raise
+        if self._store.kind == "etcd":
+            self._monitor = BeatMonitor(self._store.clone(), self._signer, self.heartbeat_timeout,
+                                        thread_init=self._thread_init)
         for name, fn in (("beat", self._beat_loop), ("watch", self._watch_loop),
                          ("detect", self._detect_loop), ("io", self._io_loop)):
             t = threading.Thread(target=self._guard, args=(fn,), name=f"ftc10d-node-{name}", daemon=True)
@@ -208,6 +216,8 @@ class NodeAgent:
         self._wake()
         for t in self._threads:
             t.join(2.0)
+        if self._monitor is not None:
+            self._monitor.close()
         self._cleanup()
         try:
             self._store.revoke()
@@ -219,7 +229,11 @@ class NodeAgent:
     def _open_store(self) -> None:
         if self._thread_init is not None:
             self._store = self._store.clone()
-        # On etcd, the ranks' leased records ride on the node's lease: they vanish with it.
+        # On etcd, the ranks' leased records ride on the node's lease: they vanish with it. It
+        # outlives the heartbeat timeout counted from the last beat (renewed every two beats):
+        # a node frozen for 3 s of a 10-s timeout was removed when its heartbeat vanished with
+        # the lease (3 s by default).
+        self._store.lease_at_least(self.heartbeat_timeout + 3 * self.heartbeat_interval)
         self._lease = self._store.lease()
         self._beat_once(self._store, 1)
 
@@ -479,10 +493,14 @@ class NodeAgent:
         last_attempt = 0.0
         last_ring = 0.0
         view: tuple[Optional[Configuration], tuple[str, ...], list[str]] = (None, (), [])
+        monitor = self._monitor
+        monitoring = False
         prev = time.monotonic()
-        # With the coordinator detecting, this loop judges only the local ranks' beats (and reads
-        # the ring as a backup every timeout / 4): a tick every timeout / 10 is enough.
-        while not self._stop.wait(self.watch_interval if not self._coordinator_detects
+        # With the coordinator detecting (or monitors, on etcd), this loop judges only the local
+        # ranks' beats (and reads the ring as a backup every timeout / 4): a tick every timeout / 10
+        # is enough; a monitor judges every node every JUDGE_TICK_S.
+        while not self._stop.wait(JUDGE_TICK_S if monitoring
+                                  else self.watch_interval if not (self._coordinator_detects or monitor)
                                   else max(self.watch_interval, self.heartbeat_timeout / 10)):
             now = time.monotonic()
             gap = now - prev > self.heartbeat_timeout / 2
@@ -494,6 +512,12 @@ class NodeAgent:
                 suspects, suspects_epoch = {}, cur.epoch
             if view[0] is not cur:  # once per configuration: O(ranks) at 32,768 ranks is ms
                 view = (cur, cur.units.get(self.id, ()), node_ring(cur, self.id, self.watchers))
+                if monitor is not None:
+                    monitoring = self.id in monitors_of(cur)
+                    if monitoring:
+                        monitor.stream()
+                    else:
+                        monitor.pause()
             mine, ring = view[1], view[2]
             if not mine:
                 continue  # none of our ranks is a member: we have no say on suspicions
@@ -509,8 +533,14 @@ class NodeAgent:
                         if now - t > self.heartbeat_timeout and m not in suspects:
                             fresh[m] = "local-heartbeat"
             try:
-                ring_every = self.heartbeat_timeout / 4 if self._coordinator_detects else 0.0
-                if ring and now - last_ring >= ring_every:
+                ring_every = self.heartbeat_timeout / 4 if self._coordinator_detects or monitor else 0.0
+                if monitoring and monitor is not None:
+                    if healthy:
+                        for u in monitor.lapsed(store, cur, self.id, time.monotonic()):
+                            for m in cur.units.get(u, ()):
+                                if m not in suspects:
+                                    fresh.setdefault(m, "heartbeat")
+                elif ring and now - last_ring >= ring_every:
                     last_ring = now
                     raws = store.get_many([hb_key(u) for u in ring])
                     for u in nodes.observe(ring, raws, time.monotonic(), healthy=healthy):

@@ -30,6 +30,13 @@ from ftc10d.membership.agreement import hb_key
 from ftc10d.membership.records import Signer
 
 
+#: With beats streamed to it (the coordinator's notifier on TCPStore, an etcd watch for a
+#: monitor node), a job-wide detector judges lapses this often between its reads of every
+#: heartbeat: a silent node is removed within the timeout + this, not the timeout + two reads
+#: (500 ms at a 10-s timeout).
+JUDGE_TICK_S = 0.025
+
+
 def beat_counter(signer: Signer, member_id: str, raw: Optional[bytes]) -> Optional[int]:
     return signer.decode_beat(hb_key(member_id), raw)
 

@@ -35,7 +35,8 @@ import json
 import logging
 import math
 import threading
-from typing import Any, Optional, Union
+import time
+from typing import Any, Callable, Optional, Union
 
 import requests
 
@@ -173,6 +174,11 @@ class EtcdMembershipStore(MembershipStore):
 
     def lease(self) -> Optional[int]:
         return self._lease_id()
+
+    def lease_at_least(self, seconds: float) -> None:
+        with self._lease.lock:
+            if self._lease.id is None and not self._lease.borrowed:
+                self._lease.ttl = max(self._lease.ttl, math.ceil(seconds))
 
     def borrow_lease(self, lease_id: int) -> None:
         with self._lease.lock:
@@ -353,6 +359,58 @@ class EtcdMembershipStore(MembershipStore):
             self._idx = (self._idx + 1) % len(self.endpoints)
             raise StoreUnavailableError(f"etcd watch on {url} failed: {exc}") from exc
         return None
+
+    def read_prefix(self, prefix: str) -> dict[str, bytes]:
+        """Every key under ``prefix`` (relative to the store's prefix) and its value, in one
+        range request (a monitor's read of every heartbeat; a txn is capped at 128 keys)."""
+        p = self._k(prefix)
+        out = self._post("/kv/range", {"key": _b64(p), "range_end": _range_end(p)})
+        return {_unb64(kv["key"]).decode(errors="replace")[len(self.prefix):]: _unb64(kv.get("value", ""))
+                for kv in out.get("kvs") or []}
+
+    def watch_prefix(self, prefix: str, on_put: Callable[[str, bytes, float], None],
+                     stop: threading.Event, idle: float = 1.0) -> None:
+        """Stream every put under ``prefix`` to ``on_put(key, value, arrival)`` (the key relative
+        to the store's prefix; ``arrival`` on ``time.monotonic``) until ``stop`` is set, checked
+        after each event and at least every ``idle`` seconds. A stream that ends or goes quiet
+        for ``idle`` is reopened from the revision after the last event seen: nothing put in
+        between is missed (unless etcd compacted it away: then from the present). Raises
+        :class:`StoreUnavailableError` if no endpoint takes the watch."""
+        p = self._k(prefix)
+        start: Optional[int] = None
+        while not stop.is_set():
+            if start is None:
+                head = self._post("/kv/range", {"key": _b64(p), "range_end": _range_end(p), "count_only": True})
+                start = int(head.get("header", {}).get("revision", 0)) + 1
+            host, port, proto = _parse_endpoint(self.endpoints[self._idx])
+            url = f"{proto}://{host}:{port}/v3/watch"
+            body = {"create_request": {"key": _b64(p), "range_end": _range_end(p), "start_revision": start}}
+            count_request()  # a watch stream opened
+            try:
+                with requests.post(url, json=body, stream=True, timeout=(self.timeout, idle)) as resp:
+                    for line in resp.iter_lines():
+                        if stop.is_set():
+                            return
+                        if not line.strip():
+                            continue
+                        result = json.loads(line).get("result", {})
+                        if result.get("canceled") or int(result.get("compact_revision", 0) or 0):
+                            start = None  # compacted past ``start``: go on from the present
+                            break
+                        now = time.monotonic()
+                        for event in result.get("events") or []:
+                            kv = event.get("kv", {})
+                            start = max(start, int(kv.get("mod_revision", 0)) + 1)
+                            if event.get("type", "PUT") == "PUT":
+                                on_put(_unb64(kv["key"]).decode(errors="replace")[len(self.prefix):],
+                                       _unb64(kv.get("value", "")), now)
+            except (requests.RequestException, ValueError) as exc:
+                if isinstance(exc, requests.exceptions.ReadTimeout) or (
+                        "timed out" in str(exc).lower()
+                        and not isinstance(exc, requests.exceptions.ConnectTimeout)):
+                    continue  # quiet for ``idle``: reopen from ``start`` (and look at ``stop``)
+                self._idx = (self._idx + 1) % len(self.endpoints)
+                raise StoreUnavailableError(f"etcd watch on {url} failed: {exc}") from exc
 
     def close(self) -> None:
         for c in self._clients.values():

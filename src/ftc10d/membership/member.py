@@ -165,6 +165,9 @@ class Member:
         self._store = store
         if self._link is not None and self._link.lease is not None:
             store.borrow_lease(self._link.lease)
+        else:
+            # Its heartbeat must not vanish (lease renewed every two beats) before it lapses.
+            store.lease_at_least(heartbeat_timeout + 3 * self.heartbeat_interval)
         self._agreement = self._new_agreement(store)
         self._api_lock = threading.Lock()
         self._cv = threading.Condition()

@@ -150,6 +150,11 @@ class MembershipStore(ABC):
         """The id of this connection's lease, granted if needed (None without leases)."""
         return None
 
+    def lease_at_least(self, seconds: float) -> None:
+        """Make the lease, if not granted yet, last at least ``seconds`` unrenewed: a member's
+        leased heartbeat must not vanish before its heartbeat timeout (a vanished heartbeat is
+        a lapse at once). No-op without leases."""
+
     def borrow_lease(self, lease_id: int) -> None:
         """Attach this connection's leased records to another process's lease (a node
         agent's, which renews it): they vanish with the node. Never renewed nor revoked here."""

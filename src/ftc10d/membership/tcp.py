@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch.distributed as dist
 
 from ftc10d.membership.agreement import Agreement, Configuration, cfg_key, hb_key
-from ftc10d.membership.detector import LapseDetector
+from ftc10d.membership.detector import JUDGE_TICK_S, LapseDetector
 from ftc10d.membership.records import Signer
 from ftc10d.membership.store import MembershipStore, count_request, requests_made  # noqa: F401 (re-exported)
 from ftc10d.types import InvalidOptionError, StoreUnavailableError
@@ -248,10 +248,6 @@ class TCPMembershipStore(MembershipStore):
 
 #: How often ``TCPMembershipStore.wait_for`` looks for its key.
 POLL_S = 0.02
-#: With beats streamed to the notifier, the coordinator's detector judges lapses this often (and
-#: reads every heartbeat from the store every ``watch_interval``): a silent node is removed
-#: within the timeout + this, not the timeout + two reads (500 ms at a 10-s timeout).
-JUDGE_TICK_S = 0.025
 
 
 # ================================================================ coordinator
