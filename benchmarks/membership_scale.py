@@ -8,7 +8,9 @@ its own process (``ftc10d coordinator --no-detect``: the agents' rings are the d
 or with ``--etcd`` a real single-member etcd. The coordinator detects lapsed heartbeats, as
 under ``ftc10d launch`` (one read of every node's heartbeat per ``timeout / 40``; the agents
 then read their ring only every ``timeout / 4``); ``--no-coordinator-detect`` leaves detection
-to the agents' rings (full pace), as on etcd.
+to the agents' rings (full pace). On etcd the first two nodes of the configuration are monitors
+(an etcd watch of every heartbeat each; the others' rings every ``timeout / 4``);
+``--monitors 0`` leaves it to the rings at full pace, as before monitors.
 
 One process hosts many agents, and what a real node does once for itself (decode a new
 record: O(ranks) to build the member list and check its digest) such a process does once for
@@ -424,6 +426,10 @@ def sim_process(idx: int, nprocs: int, port: int, opts: dict[str, Any]) -> dict[
 
     hops = _Hops()
     hops.install()
+    if opts.get("monitors") is not None:
+        from ftc10d.membership import monitor
+
+        monitor.MONITORS = int(opts["monitors"])
 
     logging.basicConfig(level=logging.WARNING, format=f"sim{idx} %(asctime)s %(levelname)s %(message)s")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -547,7 +553,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     opts: dict[str, Any] = {"nodes": args.nodes, "ranks": args.ranks, "timeout": args.timeout, "poll": args.poll,
                             "rank_beat": args.rank_beat, "rank_sockets": args.rank_sockets, "host": args.host,
-                            "profile": os.path.abspath(args.profile) if args.profile else None}
+                            "profile": os.path.abspath(args.profile) if args.profile else None,
+                            "monitors": args.monitors}
     coord = etcd = listener = None
     if args.etcd:
         etcd = Etcd()
@@ -697,7 +704,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "silence_first": silence_lat[0] if silence_lat else None,
         "silence_n": len(silence_lat),
         "other_changes": spurious, "decode_ms": decode_ms, "per_hop": per_hop,
-        "detector": "coordinator + rings (backup)" if args.coordinator_detect and not args.etcd else "rings",
+        "detector": ("coordinator + rings (backup)" if args.coordinator_detect and not args.etcd
+                     else "rings" if args.monitors == 0 or not args.etcd
+                     else f"{2 if args.monitors is None else args.monitors} monitor nodes + rings (backup)"),
     }
 
 
@@ -756,6 +765,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "launcher) or 'green' (the same code on gevent greenlets: one OS thread per process; "
                          "the only way 4,096 agents fit on 2 cores)")
     ap.add_argument("--etcd", action="store_true", help="a single-member etcd instead of the TCPStore")
+    ap.add_argument("--monitors", type=int, default=None,
+                    help="etcd: nodes that watch every heartbeat (ftc10d.membership.monitor.MONITORS, default 2; "
+                         "0: the agents' rings alone, at full pace)")
     ap.add_argument("--no-coordinator-detect", dest="coordinator_detect", action="store_false",
                     help="TCPStore: the coordinator only hosts the store; the agents' rings detect at full pace")
     ap.add_argument("--json", default=None)

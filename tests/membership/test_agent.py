@@ -217,6 +217,9 @@ def test_a_forged_hint_record_is_refused_and_the_real_one_taken() -> None:
                 conn.sendall(encode({"op": "hint", "epoch": first.epoch + 1, "raw": b64(raw)})
                              + encode({"op": "hint", "epoch": first.epoch + 1, "raw": "%%%"}))
                 time.sleep(1.5)
+                deadline = time.monotonic() + 10  # the agent reads the first record itself (no push came)
+                while agent.current is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 assert agent.current is not None and agent.current.epoch == first.epoch
                 assert agent.pushed == 0
                 out = Agreement(co.membership_store(), Signer("real")).report_exit(members[1].handle)

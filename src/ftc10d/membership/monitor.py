@@ -36,7 +36,9 @@ from ftc10d.types import StoreUnavailableError
 logger = logging.getLogger("ftc10d")
 
 #: How many nodes of a configuration watch every heartbeat on etcd: two, so that one frozen
-#: monitor is removed by the other at its timeout, not by the ring's slower backup.
+#: monitor is removed by the other at its timeout, not by the ring's slower backup. Read when a
+#: node agent starts; 0 leaves detection to the rings at their full pace (the behaviour before
+#: monitors; ``benchmarks/membership_scale.py --etcd --monitors 0`` compares the two).
 MONITORS = 2
 #: Streamed beats held between two judgements at most (names come from the network).
 _MAX_PENDING = 1 << 20

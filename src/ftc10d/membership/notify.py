@@ -9,10 +9,17 @@ store, so it polls once for everyone (:class:`Notifier`) and pushes a *hint*,
 ``{"op": "hint", "epoch": e, "raw": <the record>}``, to every agent connected to
 it. The agent verifies the record as it would one read from the store (it is
 signed with the job's key): a change costs the store one read for the whole job,
-not one per node. A record over ``HINT_RECORD_MAX`` bytes (a full record of a
-big job) is hinted by its epoch only, and read by each agent. A hint is only a
-wake-up: a forged or lost one costs a read or up to ``SAFETY_POLL_S`` of latency,
-never a wrong configuration, and nothing read here is unpickled.
+not one per node. A hint is only a wake-up: a forged or lost one costs a read or up
+to ``SAFETY_POLL_S`` of latency, never a wrong configuration, and nothing read here
+is unpickled.
+
+**Big records are fanned out, paced.** A job's first configuration lists every rank (~1 MB
+deflated at 32,768 ranks), and every node needs it at once. Read from the store by 4,096
+agents, it made the store process queue a copy per reader (TCPStore's server copies each
+reply): the coordinator went past 8 GB and was OOM-killed as the job formed. The notifier
+pushes it instead: one frame shared by every connection (a connection's backlog holds views
+of it, never copies), sent to ``FANOUT_WINDOW`` agents at a time, the next ones as those
+finish: the coordinator holds one copy and ``FANOUT_WINDOW`` socket buffers of it.
 
 The coordinator also announces its detector (``DETECTOR_KEY``): the agents then
 read their ring successors' heartbeats less often (:class:`ftc10d.membership.NodeAgent`).
@@ -41,10 +48,12 @@ import selectors
 import socket
 import threading
 import time
+from collections import deque
 from typing import Any, Callable, Optional
 
 from ftc10d.membership.agreement import cfg_key
 from ftc10d.membership.local import FrameBuffer, b64, encode, unb64
+from ftc10d.membership.records import MAX_RECORD_BYTES
 from ftc10d.types import MembershipError, StoreUnavailableError
 
 logger = logging.getLogger("ftc10d")
@@ -56,10 +65,15 @@ NOTIFY_KEY = "notify"
 SAFETY_POLL_S = 1.0
 #: Key (under the membership prefix) present while the coordinator's detector reads every heartbeat.
 DETECTOR_KEY = "detector"
-#: Records up to this size travel with their hint (a delta is ~100 B + the changed members).
+#: Frames up to this size go to every agent at once (a delta is ~100 B + the changed members);
+#: bigger ones (full records of big jobs) to ``FANOUT_WINDOW`` agents at a time.
 HINT_RECORD_MAX = 64 << 10
-#: Bytes a slow agent may have waiting before the notifier drops its connection (it reconnects).
+#: How many agents receive a big frame at the same time.
+FANOUT_WINDOW = 32
+#: Bytes of small frames a slow agent may have waiting before the notifier drops its connection
+#: (it reconnects); also dropped: an agent two big records behind (it reads the store instead).
 MAX_BACKLOG = 1 << 20
+MAX_BIG_BEHIND = 2
 #: An agent's frames to the notifier are beats (~100 B): more than this unparsed is not an agent.
 MAX_INBOUND = 4096
 #: Beats an agent keeps unsent while the notifier does not read them (it is frozen): then it skips them.
@@ -67,6 +81,19 @@ MAX_BEATS_OUT = 16 << 10
 
 #: ``on_beat(node, record, arrival)``: a beat streamed by a node agent (see the module's doc).
 BeatCallback = Callable[[str, bytes, float], None]
+
+
+class _Outbound:
+    """One connection's frames not yet sent, in order: views of frames shared by every
+    connection (``(view, big)``), never copies."""
+
+    __slots__ = ("frames", "small", "big", "writing")
+
+    def __init__(self) -> None:
+        self.frames: deque[tuple[memoryview, bool]] = deque()
+        self.small = 0  # bytes of small frames waiting
+        self.big = 0  # big frames waiting (the head one may be partly sent)
+        self.writing = False  # registered for EVENT_WRITE
 
 
 class Notifier:
@@ -92,11 +119,15 @@ class Notifier:
         self._sock.setblocking(False)
         self.port = self._sock.getsockname()[1]
         self._stop = threading.Event()
-        self._conns: dict[int, tuple[socket.socket, bytearray]] = {}
+        self._conns: dict[int, tuple[socket.socket, _Outbound]] = {}
+        self._sending_big: set[int] = set()  # connections sending a big frame now (<= FANOUT_WINDOW)
+        self._big_turns: deque[int] = deque()  # connections waiting for their turn, in order
+        self._waiting: set[int] = set()  # the same, to look up
         self._inbound: dict[int, FrameBuffer] = {}
         self._on_beat = on_beat
         self._sel: Any = None
         self.hints = 0
+        self.peak_sending_big = 0  # the most connections sending a big frame at once (tests)
         self._thread = threading.Thread(target=self._loop, name="ftc10d-notifier", daemon=True)
 
     def start(self) -> "Notifier":
@@ -110,6 +141,9 @@ class Notifier:
         for s, _ in self._conns.values():
             s.close()
         self._conns.clear()
+        self._sending_big.clear()
+        self._big_turns.clear()
+        self._waiting.clear()
         self._sock.close()
 
     @property
@@ -125,11 +159,15 @@ class Notifier:
         try:
             while not self._stop.is_set():
                 try:
-                    for key, _ in sel.select(timeout=max(0.0, next_poll - time.monotonic())):
+                    for key, mask in sel.select(timeout=max(0.0, next_poll - time.monotonic())):
                         if key.data is None:
                             self._accept(sel)
-                        else:
+                            continue
+                        if mask & selectors.EVENT_READ:
                             self._drain(sel, key.fileobj)  # type: ignore[arg-type]
+                        if mask & selectors.EVENT_WRITE and key.data in self._conns:
+                            self._flush(key.data)
+                    self._admit()
                 except Exception:  # one bad connection must not end the hints of every agent
                     logger.warning("membership notifier: serving a connection failed", exc_info=True)
                     self._stop.wait(self.poll_interval)
@@ -167,30 +205,79 @@ class Notifier:
 
     def _broadcast(self, epoch: int, raw: Optional[bytes] = None) -> None:
         msg: dict[str, Any] = {"op": "hint", "epoch": epoch}
-        if raw is not None and len(raw) <= HINT_RECORD_MAX:
+        if raw is not None and len(raw) <= MAX_RECORD_BYTES:
             msg["raw"] = b64(raw)
-        frame = encode(msg)
+        view = memoryview(encode(msg))  # one frame for every connection
+        big = len(view) > HINT_RECORD_MAX
+        # A big frame is announced at once to everyone (it may reach an agent seconds later):
+        # an agent that knows its record is on the way waits for it rather than reading it.
+        ahead = memoryview(encode({"op": "hint", "epoch": epoch, "follows": True})) if big else None
         self.hints += 1
-        for fd, (s, backlog) in list(self._conns.items()):
+        for fd, (s, out) in list(self._conns.items()):
+            if ahead is not None:
+                out.frames.append((ahead, False))
+                out.small += len(ahead)
+            if (out.big + big > MAX_BIG_BEHIND) or (not big and out.small + len(view) > MAX_BACKLOG):
+                self._forget(s)  # far behind (frozen?): it reconnects, and reads what it missed
+                continue
+            out.frames.append((view, big))
+            out.big += big
+            out.small += 0 if big else len(view)
+            self._flush(fd)
+        self._admit()
+
+    def _flush(self, fd: int) -> None:
+        """Send what the connection can take now, in order; a big frame waits for its turn."""
+        s, out = self._conns[fd]
+        while out.frames:
+            view, big = out.frames[0]
+            if big and fd not in self._sending_big:
+                if len(self._sending_big) >= FANOUT_WINDOW:
+                    if fd not in self._waiting:
+                        self._waiting.add(fd)
+                        self._big_turns.append(fd)
+                    break
+                self._sending_big.add(fd)
+                self.peak_sending_big = max(self.peak_sending_big, len(self._sending_big))
             try:
-                if backlog:
-                    backlog += frame
-                    n = s.send(backlog)
-                    del backlog[:n]
-                else:
-                    n = s.send(frame)
-                    if n < len(frame):
-                        backlog += frame[n:]
-                if len(backlog) > MAX_BACKLOG:
-                    raise OSError("backlog")
+                n = s.send(view)
             except (BlockingIOError, InterruptedError):
-                backlog += frame
+                n = 0
             except OSError:
                 self._forget(s)
+                return
+            if n < len(view):
+                out.frames[0] = (view[n:], big)
+                out.small -= 0 if big else n
+                break
+            out.frames.popleft()
+            if big:
+                out.big -= 1
+                self._sending_big.discard(fd)
+            else:
+                out.small -= n
+        writing = bool(out.frames) and (not out.frames[0][1] or fd in self._sending_big)
+        if writing != out.writing:
+            out.writing = writing
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if writing else 0)
+            try:
+                self._sel.modify(s, events, fd)
+            except (KeyError, ValueError, OSError):
+                self._forget(s)
+
+    def _admit(self) -> None:
+        """Give the free big-frame turns to the connections waiting for one, in order."""
+        while self._big_turns and len(self._sending_big) < FANOUT_WINDOW:
+            fd = self._big_turns.popleft()
+            self._waiting.discard(fd)
+            if fd in self._conns:
+                self._flush(fd)
 
     def _forget(self, s: socket.socket) -> None:
         self._conns.pop(s.fileno(), None)
         self._inbound.pop(s.fileno(), None)
+        self._sending_big.discard(s.fileno())
+        self._waiting.discard(s.fileno())  # its place in _big_turns is skipped
         try:
             self._sel.unregister(s)
         except (KeyError, ValueError):
@@ -210,7 +297,7 @@ class Notifier:
             except (OSError, ValueError, KeyError):
                 s.close()
                 continue
-            self._conns[s.fileno()] = (s, bytearray())
+            self._conns[s.fileno()] = (s, _Outbound())
             self._inbound[s.fileno()] = FrameBuffer()
 
     def _drain(self, sel: selectors.BaseSelector, s: socket.socket) -> None:
@@ -254,6 +341,8 @@ class HintClient:
         self._poll = select.poll()  # not select(): a process hosting many agents has fds past 1,024
         self._poll.register(self._sock, select.POLLIN)
         self._frames = FrameBuffer()
+        #: Epochs whose record was announced as following (a big one, fanned out paced) and when.
+        self.announced: dict[int, float] = {}
         self._out = bytearray()
         self._out_lock = threading.Lock()
 
@@ -276,24 +365,37 @@ class HintClient:
 
     def wait(self, timeout: float) -> list[tuple[int, Optional[bytes]]]:
         """The hints that came within ``timeout``: (epoch, its record or None), oldest first;
-        empty if none came. Raises OSError when the connection is gone."""
-        if not self._poll.poll(max(timeout, 0.0) * 1e3):
-            return []
-        try:
-            data = self._sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return []
-        if not data:
-            raise OSError("the notifier closed the connection")
-        try:
-            msgs = self._frames.feed(data)
-        except MembershipError as exc:  # not our notifier: the caller polls instead
-            raise OSError(str(exc)) from None
+        empty if none came. A frame still arriving (a big record) is waited for within
+        ``timeout``: a caller that reads the store when this returns empty must not do so
+        because a pushed record was half-way. Raises OSError when the connection is gone."""
+        deadline = time.monotonic() + max(timeout, 0.0)
         out: list[tuple[int, Optional[bytes]]] = []
-        for m in msgs:
-            if m.get("op") != "hint" or not isinstance(m.get("epoch"), int) or isinstance(m["epoch"], bool):
-                continue
-            out.append((m["epoch"], unb64(m.get("raw"))))  # no (good) record: the agent reads it
+        while not out:
+            if not self._poll.poll(max(deadline - time.monotonic(), 0.0) * 1e3):
+                return []
+            for _ in range(64):  # what is there now, up to 16 MB, without waiting
+                try:
+                    data = self._sock.recv(1 << 18)
+                except (BlockingIOError, InterruptedError):
+                    break
+                if not data:
+                    raise OSError("the notifier closed the connection")
+                try:
+                    msgs = self._frames.feed(data)
+                except MembershipError as exc:  # not our notifier: the caller polls instead
+                    raise OSError(str(exc)) from None
+                for m in msgs:
+                    if m.get("op") != "hint" or not isinstance(m.get("epoch"), int) or isinstance(m["epoch"], bool):
+                        continue
+                    if m.get("follows") is True:
+                        if len(self.announced) < 64:
+                            self.announced[m["epoch"]] = time.monotonic()
+                        continue
+                    out.append((m["epoch"], unb64(m.get("raw"))))  # no (good) record: the agent reads it
+                if len(data) < 1 << 18:
+                    break
+            if time.monotonic() >= deadline:
+                break
         return out
 
     def close(self) -> None:

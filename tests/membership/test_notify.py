@@ -1,0 +1,79 @@
+"""The coordinator's notifier fans each new configuration out to the node agents.
+
+Real coordinator (TCPStore + notifier), real NodeAgents over TCP. A job's first configuration
+of a big job (a record over ``HINT_RECORD_MAX``) is pushed to every agent, paced
+(``FANOUT_WINDOW`` connections at a time), and no agent reads it from the store: 4,096 agents
+reading a 1-MB record at once took the store process past 8 GB (OOM-killed).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from ftc10d.membership import Agreement, Coordinator, NodeAgent, Signer, TCPMembershipStore
+from ftc10d.membership import notify
+from ftc10d.membership.configuration import KEY_START, Configuration, cfg_key
+
+
+class CountingStore(TCPMembershipStore):
+    """Counts the reads of configuration records (shared by an agent's threads on TCP)."""
+
+    reads: list[str] = []
+
+    def get(self, key: str) -> Optional[bytes]:
+        if key.startswith("cfg/"):
+            CountingStore.reads.append(key)
+        return super().get(key)
+
+    def clone(self) -> "CountingStore":
+        return CountingStore(self.host, self.port, prefix=self.prefix, timeout=self.timeout)
+
+
+def test_a_big_first_configuration_is_pushed_to_every_agent_paced_and_not_read_from_the_store(
+        monkeypatch: object) -> None:
+    import secrets
+
+    monkeypatch.setattr(notify, "FANOUT_WINDOW", 3)  # type: ignore[attr-defined]
+    CountingStore.reads = []
+    with Coordinator(detect=False, token="t") as co:
+        agents = [NodeAgent(CountingStore(co.host, co.port), token="t", heartbeat_timeout=2.0).start()
+                  for _ in range(12)]
+        try:
+            deadline = time.monotonic() + 30
+            while co._notifier.connected < len(agents) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert co._notifier.connected == len(agents)
+            writer = Agreement(co.membership_store(), Signer("t"))
+            # 12 nodes x 400 ranks, ids and handles with random parts as real ones: ~180 KB deflated.
+            ids = [f"{a.id}.{secrets.token_hex(8)}" for a in agents for _ in range(400)]
+            handles = [f"ftc10d/v1/node-{i // 400:03d}/{40000 + i}/{secrets.token_hex(8)}" for i in range(len(ids))]
+            first = Configuration(epoch=1, uuid=11, handles=tuple(handles), members=tuple(ids),
+                                  incarnation=writer.incarnation(), full_epoch=1)
+            ok, _ = writer._install(first, None)
+            assert ok
+            start = {"kind": "start", "epoch": 1, "inc": first.incarnation}  # as propose_first writes it
+            writer.store.put(KEY_START, writer.signer.encode(KEY_START, start))
+            raw = co.membership_store().get(cfg_key(1))
+            assert raw is not None and len(raw) > notify.HINT_RECORD_MAX, len(raw or b"")
+            CountingStore.reads = []
+            deadline = time.monotonic() + 30
+            while any(a.current is None for a in agents) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert all(a.current is not None and a.current.digest == first.digest for a in agents)
+            assert all(a.pushed >= 1 for a in agents), [a.pushed for a in agents]
+            assert "cfg/000000000001" not in CountingStore.reads, CountingStore.reads
+            assert 1 <= co._notifier.peak_sending_big <= 3, co._notifier.peak_sending_big
+            # The next configuration (a small delta) follows the big one, in order, pushed too.
+            second = Configuration(epoch=2, uuid=12, handles=tuple(handles[1:]), members=tuple(ids[1:]),
+                                   incarnation=first.incarnation, full_epoch=1)
+            ok, _ = writer._install(second, first)
+            assert ok
+            deadline = time.monotonic() + 30
+            while any(a.current.epoch < 2 for a in agents) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert all(a.current.digest == second.digest for a in agents)
+            assert CountingStore.reads == [], CountingStore.reads
+        finally:
+            for a in agents:
+                a.close()
