@@ -636,7 +636,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # The chain decides which epoch removed what (under overload others can come between).
         reader = Agreement(_store(opts), signer)
         deadline = time.monotonic() + args.timeout * 10 + 120
-        e2, epoch, spurious = None, e0, []
+        e2, epoch, spurious, silence_reason = None, e0, [], ""
         while e2 is None and time.monotonic() < deadline:
             nxt = reader.read_config(epoch + 1)
             if nxt is None:
@@ -647,6 +647,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             if not any(m.startswith(silent + ".") for m in nxt.members) and epoch > e1:
                 e2 = epoch
+                silence_reason = nxt.reason[:160]  # who removed it (the coordinator, a monitor, a ring)
             else:
                 spurious.append(f"epoch {epoch}: {nxt.reason[:160]}")
         if e2 is not None:
@@ -703,7 +704,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "silence_p99": percentile(silence_lat, 99) if silence_lat else None,
         "silence_first": silence_lat[0] if silence_lat else None,
         "silence_n": len(silence_lat),
-        "other_changes": spurious, "decode_ms": decode_ms, "per_hop": per_hop,
+        "other_changes": spurious, "silence_removed_by": silence_reason, "decode_ms": decode_ms, "per_hop": per_hop,
         "detector": ("coordinator + rings (backup)" if args.coordinator_detect and not args.etcd
                      else "rings" if args.monitors == 0 or not args.etcd
                      else f"{2 if args.monitors is None else args.monitors} monitor nodes + rings (backup)"),
@@ -837,6 +838,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                  ["exit: agents' processes' CPU beyond steady state (per node)",
                   f"{ph['exit_cpu_s']:.2f} s ({ph['exit_cpu_per_node_ms']:.2f} ms)"]]
     print(table(["per hop (each from the event)", "measured"], hop_rows))
+    print(f"the silent node was removed by: {r['silence_removed_by'] or 'n/a'}")
     for line in r["other_changes"]:
         print(f"other configuration change meanwhile (not a measured event): {line}")
     dump_json(args.json, r)
