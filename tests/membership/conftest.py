@@ -73,3 +73,53 @@ def same_config(st: dict[int, dict[str, Any]], size: int, min_steps: int = 0,
     uuids = {s.get("uuid") for s in st.values()}
     return (len(uuids) == 1 and None not in uuids and not_uuid not in uuids
             and all(s.get("size") == size and s.get("steps", 0) >= min_steps for s in st.values()))
+
+
+def beat_links(links: list[tuple[Any, str]], done: Any, every: float = 0.1) -> None:
+    """Beat each rank's node agent over its real local link (``(NodeLink, member id)``) every
+    ``every`` seconds until ``done`` is set, on a thread: ranks that stay alive while only
+    their agents are frozen."""
+    import threading
+
+    def run() -> None:
+        n = 0
+        while not done.wait(every):
+            n += 1
+            for link, mid in links:
+                link.beat(n, mid, timeout=0.0)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+class LastBeat:
+    """When a node's heartbeat record last changed in the store (``time.monotonic``), seen by
+    polling it every 2-3 ms on a thread of its own: the start of a silence, for the tests that
+    time a removal from it (a context manager; ``at`` once it exits)."""
+
+    def __init__(self, open_store: Callable[[], Any], unit: str) -> None:
+        import threading
+
+        from ftc10d.membership.agreement import hb_key
+
+        self.at = time.monotonic()
+        self._stop = threading.Event()
+        self._key = hb_key(unit)
+        self._open = open_store
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        own = self._open()
+        prev = own.get(self._key)
+        while not self._stop.is_set():
+            raw = own.get(self._key)
+            if raw is not None and raw != prev:
+                prev, self.at = raw, time.monotonic()
+            time.sleep(0.002)
+
+    def __enter__(self) -> "LastBeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -25,7 +25,8 @@ from ftc10d.membership.agreement import hb_key, unit_of
 from ftc10d.membership.local import FrameBuffer, NodeLink, encode
 from ftc10d.types import MembershipError
 from tests import harness
-from tests.membership.conftest import etcd_spec, needs_etcd, same_config, tcp_spec, wait_states
+from tests.membership.conftest import (LastBeat, beat_links, etcd_spec, needs_etcd, same_config, tcp_spec,
+                                       wait_states)
 from tests.membership.workers import make_store, pg_worker
 
 AGENT = """
@@ -287,46 +288,24 @@ def test_the_coordinator_removes_a_silent_node_at_its_timeout_not_reads_later() 
             # own that does not), from this process: only the agent processes are frozen below.
             links = [(NodeLink(info["path"]), f"{info['id']}.{j}") for _, info in procs for j in range(2)]
 
-            def beat_links() -> None:
-                n = 0
-                while not done.wait(0.1):
-                    n += 1
-                    for link, mid in links:
-                        link.beat(n, mid, timeout=0.0)
-
-            threading.Thread(target=beat_links, daemon=True).start()
+            beat_links(links, done)
             cur = Agreement(store, signer, expected=8).propose_first(reason="test").config
             assert cur is not None and cur.size == 8, cur
             time.sleep(timeout + 0.5)  # every node has been seen beating since it was listed
             silences = []
             for victim_proc, victim in (procs[1], procs[2]):
-                last_beat = [time.monotonic()]
-                stop_watch = threading.Event()
-
-                def watch_beats() -> None:  # when the node's heartbeat last changed in the store
-                    own = co.membership_store()
-                    prev = own.get(hb_key(victim["id"]))
-                    while not stop_watch.is_set():
-                        raw = own.get(hb_key(victim["id"]))
-                        if raw != prev:
-                            prev, last_beat[0] = raw, time.monotonic()
+                with LastBeat(co.membership_store, victim["id"]) as last_beat:
+                    time.sleep(0.5)
+                    victim_proc.send_signal(signal.SIGSTOP)
+                    deadline = time.monotonic() + 4 * timeout
+                    while not store.exists(cfg_key(cur.epoch + 1)) and time.monotonic() < deadline:
                         time.sleep(0.002)
-
-                watcher = threading.Thread(target=watch_beats, daemon=True)
-                watcher.start()
-                time.sleep(0.5)
-                victim_proc.send_signal(signal.SIGSTOP)
-                deadline = time.monotonic() + 4 * timeout
-                while not store.exists(cfg_key(cur.epoch + 1)) and time.monotonic() < deadline:
-                    time.sleep(0.002)
-                removed_at = time.monotonic()
-                stop_watch.set()
-                watcher.join()
+                    removed_at = time.monotonic()
                 nxt = Agreement(store, signer).read_config(cur.epoch + 1)
                 assert nxt is not None, "the silent node was not removed"
                 gone = {unit_of(m) for m in cur.members} - {unit_of(m) for m in nxt.members}
                 assert gone == {victim["id"]} and "coordinator" in nxt.reason, nxt.reason
-                silences.append(removed_at - last_beat[0])
+                silences.append(removed_at - last_beat.at)
                 cur = nxt
             # The lower bound is loose: the watcher thread sees the last beat up to a scheduling
             # delay late on a loaded 2-core CI machine (2.949 s was measured there once), which

@@ -18,11 +18,11 @@ import time
 from typing import Any
 
 from ftc10d.membership import Agreement, EtcdMembershipStore, MemberInfo, Signer
-from ftc10d.membership.agreement import cfg_key, hb_key, mem_key, unit_of
+from ftc10d.membership.agreement import cfg_key, mem_key, unit_of
 from ftc10d.membership.configuration import Configuration
 from ftc10d.membership.local import NodeLink
 from ftc10d.membership.monitor import MONITORS, monitors_of
-from tests.membership.conftest import needs_etcd
+from tests.membership.conftest import LastBeat, beat_links, needs_etcd
 
 AGENT = """
 import json, sys
@@ -68,14 +68,7 @@ def test_on_etcd_a_monitor_removes_a_silent_node_at_its_timeout(etcd1: Any) -> N
                 rs.append_join(mid)
                 links.append((link if j == 0 else NodeLink(info["path"]), mid))
 
-        def beat_links() -> None:  # the ranks beat their agents (only the agents are frozen)
-            n = 0
-            while not done.wait(0.1):
-                n += 1
-                for link, mid in links:
-                    link.beat(n, mid, timeout=0.0)
-
-        threading.Thread(target=beat_links, daemon=True).start()
+        beat_links(links, done)  # the ranks beat their agents (only the agents are frozen)
         cur = Agreement(store, signer, expected=10).propose_first(reason="test").config
         assert cur is not None and cur.size == 10, cur
         time.sleep(timeout + 0.5)  # every node has been seen beating since it was listed
@@ -89,34 +82,19 @@ def test_on_etcd_a_monitor_removes_a_silent_node_at_its_timeout(etcd1: Any) -> N
         results = []
         for round_, victim in enumerate(plan):
             mons = monitors_of(cur)
-            last_beat = [time.monotonic()]
-            stop_watch = threading.Event()
-
-            def watch_beats(unit: str = victim) -> None:  # when the node's heartbeat last changed
-                own = EtcdMembershipStore(etcd1.endpoints, prefix=prefix)
-                prev = own.get(hb_key(unit))
-                while not stop_watch.is_set():
-                    raw = own.get(hb_key(unit))
-                    if raw is not None and raw != prev:
-                        prev, last_beat[0] = raw, time.monotonic()
+            with LastBeat(lambda: EtcdMembershipStore(etcd1.endpoints, prefix=prefix), victim) as last_beat:
+                time.sleep(1.0)
+                by_id[victim][0].send_signal(signal.SIGSTOP)
+                deadline = time.monotonic() + 4 * timeout
+                while not store.exists(cfg_key(cur.epoch + 1)) and time.monotonic() < deadline:
                     time.sleep(0.003)
-
-            watcher = threading.Thread(target=watch_beats, daemon=True)
-            watcher.start()
-            time.sleep(1.0)
-            by_id[victim][0].send_signal(signal.SIGSTOP)
-            deadline = time.monotonic() + 4 * timeout
-            while not store.exists(cfg_key(cur.epoch + 1)) and time.monotonic() < deadline:
-                time.sleep(0.003)
-            removed_at = time.monotonic()
-            stop_watch.set()
-            watcher.join()
+                removed_at = time.monotonic()
             nxt = Agreement(store, signer).read_config(cur.epoch + 1)
             assert nxt is not None, f"round {round_}: the silent node {victim} was not removed"
             gone = {unit_of(m) for m in cur.members} - {unit_of(m) for m in nxt.members}
             proposer = nxt.reason.split()[1] if nxt.reason.startswith("node ") else nxt.reason
             judge = proposer in mons and proposer != victim and (round_ < 2 or proposer not in first)
-            results.append((round_, victim, round(removed_at - last_beat[0], 3), judge, nxt.reason[:80]))
+            results.append((round_, victim, round(removed_at - last_beat.at, 3), judge, nxt.reason[:80]))
             assert gone == {victim}, (round_, gone, victim, nxt.reason)
             cur = nxt
         # The lower bound is loose for the watcher thread's own scheduling delay; the point is

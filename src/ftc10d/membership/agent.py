@@ -424,29 +424,16 @@ class NodeAgent:
                             start_seen_at = time.monotonic()
                         patience = FIRST_PUSH_WAIT_S if hints.announced else PUSH_GRACE_S
                         if forming and (start_seen_at is None or time.monotonic() - start_seen_at < patience):
-                            try:  # the start record is there: its configuration is on its way
-                                for e, r in hints.wait(safety if start_seen_at is None or hints.announced
-                                                       else PUSH_GRACE_S):  # returns when a hint comes
-                                    if r is not None and len(carried) < 64:
-                                        carried[e] = r
-                            except OSError:
-                                hints.close()
-                                hints = self._hints = None
-                                carried.clear()
+                            # The start record is there: its configuration is on its way.
+                            hints = self._collect(hints, carried, safety if start_seen_at is None or hints.announced
+                                                  else PUSH_GRACE_S)
                             continue
                     latest = latest or ag.latest()
                     if latest is None:
                         # Before the first configuration too, one poll per job, not one per node
                         # every 20 ms (4,096 agents waiting for a job to form: 200,000 requests/s).
                         if hints is not None:
-                            try:
-                                for e, r in hints.wait(safety):
-                                    if r is not None and len(carried) < 64:
-                                        carried[e] = r
-                            except OSError:
-                                hints.close()
-                                hints = self._hints = None
-                                carried.clear()
+                            hints = self._collect(hints, carried, safety)
                         else:
                             store.wait_for(KEY_START, min(WAIT_SLICE, self.heartbeat_timeout), self._stop)
                         continue
@@ -506,6 +493,20 @@ class NodeAgent:
         if hints is not None:
             hints.close()
         self._release(store)
+
+    def _collect(self, hints: HintClient, carried: dict[int, bytes], timeout: float) -> Optional[HintClient]:
+        """Wait up to ``timeout`` for hints (returns when one comes), keeping the records pushed
+        with them in ``carried``; the connection, or None if it is gone."""
+        try:
+            for e, r in hints.wait(timeout):
+                if r is not None and len(carried) < 64:
+                    carried[e] = r
+            return hints
+        except OSError:
+            hints.close()
+            self._hints = None
+            carried.clear()
+            return None
 
     def _connect_hints(self, store: MembershipStore) -> Optional[HintClient]:
         """The coordinator's notifier, if it runs one (its port is in the store)."""
