@@ -14,6 +14,7 @@ from typing import Optional
 from ftc10d.membership import Agreement, Coordinator, NodeAgent, Signer, TCPMembershipStore
 from ftc10d.membership import notify
 from ftc10d.membership.configuration import KEY_START, Configuration, cfg_key
+from ftc10d.membership.local import FrameBuffer, unb64
 
 
 class CountingStore(TCPMembershipStore):
@@ -77,3 +78,64 @@ def test_a_big_first_configuration_is_pushed_to_every_agent_paced_and_not_read_f
         finally:
             for a in agents:
                 a.close()
+
+
+def test_an_agent_that_stops_taking_a_big_record_gives_its_turn_up(monkeypatch: object) -> None:
+    """The fan-out's turns are few (``FANOUT_WINDOW``): a frozen agent must not hold one. The
+    notifier is driven by hand here (not started) over real sockets: 4 agents' connections,
+    window 2, a 3-MB frame; two clients never read. Their turns are taken back after
+    ``BIG_TURN_STALL_S`` without progress, and the readers get the whole frame."""
+    import selectors
+    import socket
+
+    monkeypatch.setattr(notify, "FANOUT_WINDOW", 2)  # type: ignore[attr-defined]
+    monkeypatch.setattr(notify, "BIG_TURN_STALL_S", 0.3)  # type: ignore[attr-defined]
+    with Coordinator(detect=False, notify=False) as co:
+        n = notify.Notifier(co.membership_store(), Signer(None), "127.0.0.1")  # not started
+        n._sel = sel = selectors.DefaultSelector()
+        clients = []
+        for _ in range(4):
+            c = socket.socket()
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            c.connect(("127.0.0.1", n.port))
+            clients.append(c)
+        deadline = time.monotonic() + 10
+        while n.connected < 4 and time.monotonic() < deadline:
+            n._accept(sel)
+        assert n.connected == 4
+        for s, _ in n._conns.values():
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        by_peer = {s.getpeername(): fd for fd, (s, _) in n._conns.items()}
+        fds = [by_peer[c.getsockname()] for c in clients]
+        record = bytes(range(256)) * (3_000_000 // 256)
+        n._broadcast(7, record)
+        # Clients 0 and 1 (first in order) hold the two turns and read nothing; 2 and 3 wait.
+        assert n._sending_big == {fds[0], fds[1]} and list(n._big_turns) == [fds[2], fds[3]]
+        time.sleep(0.4)
+        n._admit()  # no byte taken for 0.4 s: their connections are dropped, the turns move on
+        assert fds[0] not in n._conns and fds[1] not in n._conns
+        assert n._sending_big == {fds[2], fds[3]}
+        got = {2: bytearray(), 3: bytearray()}
+        for c in clients[2:]:
+            c.setblocking(False)
+        deadline = time.monotonic() + 30
+        frames = {2: FrameBuffer(), 3: FrameBuffer()}
+        msgs: dict[int, list] = {2: [], 3: []}
+        while any(not any("raw" in m for m in msgs[i]) for i in (2, 3)) and time.monotonic() < deadline:
+            for i in (2, 3):
+                try:
+                    data = clients[i].recv(1 << 16)
+                    got[i] += data
+                    msgs[i] += frames[i].feed(data)
+                except BlockingIOError:
+                    pass
+                if fds[i] in n._conns:
+                    n._flush(fds[i])
+            n._admit()
+        for i in (2, 3):
+            assert [m.get("follows") for m in msgs[i]] == [True, None], msgs[i]
+            assert unb64(msgs[i][1]["raw"]) == record
+        assert not n._sending_big and n.peak_sending_big == 2
+        for c in clients:
+            c.close()
+        n.close()

@@ -74,6 +74,9 @@ FANOUT_WINDOW = 32
 #: (it reconnects); also dropped: an agent two big records behind (it reads the store instead).
 MAX_BACKLOG = 1 << 20
 MAX_BIG_BEHIND = 2
+#: An agent that takes no byte of its big frame for this long gives its turn up (it is frozen,
+#: or its network is cut): its connection is dropped, and it reads the record once it is back.
+BIG_TURN_STALL_S = 5.0
 #: An agent's frames to the notifier are beats (~100 B): more than this unparsed is not an agent.
 MAX_INBOUND = 4096
 #: Beats an agent keeps unsent while the notifier does not read them (it is frozen): then it skips them.
@@ -123,6 +126,7 @@ class Notifier:
         self._sending_big: set[int] = set()  # connections sending a big frame now (<= FANOUT_WINDOW)
         self._big_turns: deque[int] = deque()  # connections waiting for their turn, in order
         self._waiting: set[int] = set()  # the same, to look up
+        self._progress: dict[int, float] = {}  # a connection sending a big frame: when it last took bytes
         self._inbound: dict[int, FrameBuffer] = {}
         self._on_beat = on_beat
         self._sel: Any = None
@@ -137,7 +141,8 @@ class Notifier:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(2.0)
+        if self._thread.ident is not None:  # started
+            self._thread.join(2.0)
         for s, _ in self._conns.values():
             s.close()
         self._conns.clear()
@@ -238,6 +243,7 @@ class Notifier:
                         self._big_turns.append(fd)
                     break
                 self._sending_big.add(fd)
+                self._progress[fd] = time.monotonic()
                 self.peak_sending_big = max(self.peak_sending_big, len(self._sending_big))
             try:
                 n = s.send(view)
@@ -246,6 +252,8 @@ class Notifier:
             except OSError:
                 self._forget(s)
                 return
+            if big and n:
+                self._progress[fd] = time.monotonic()
             if n < len(view):
                 out.frames[0] = (view[n:], big)
                 out.small -= 0 if big else n
@@ -254,6 +262,7 @@ class Notifier:
             if big:
                 out.big -= 1
                 self._sending_big.discard(fd)
+                self._progress.pop(fd, None)
             else:
                 out.small -= n
         writing = bool(out.frames) and (not out.frames[0][1] or fd in self._sending_big)
@@ -266,7 +275,18 @@ class Notifier:
                 self._forget(s)
 
     def _admit(self) -> None:
-        """Give the free big-frame turns to the connections waiting for one, in order."""
+        """Give the free big-frame turns to the connections waiting for one, in order (first
+        taking them from connections that stalled)."""
+        if self._sending_big:
+            stalled = time.monotonic() - BIG_TURN_STALL_S
+            for fd in [fd for fd in self._sending_big if self._progress.get(fd, 0.0) < stalled]:
+                conn = self._conns.get(fd)
+                if conn is None:
+                    self._sending_big.discard(fd)
+                else:
+                    logger.info("membership notifier: an agent took nothing of a big record for %g s; "
+                                "dropping its connection (it reads the record itself)", BIG_TURN_STALL_S)
+                    self._forget(conn[0])
         while self._big_turns and len(self._sending_big) < FANOUT_WINDOW:
             fd = self._big_turns.popleft()
             self._waiting.discard(fd)
@@ -277,6 +297,7 @@ class Notifier:
         self._conns.pop(s.fileno(), None)
         self._inbound.pop(s.fileno(), None)
         self._sending_big.discard(s.fileno())
+        self._progress.pop(s.fileno(), None)
         self._waiting.discard(s.fileno())  # its place in _big_turns is skipped
         try:
             self._sel.unregister(s)
