@@ -19,7 +19,8 @@ agents, it made the store process queue a copy per reader (TCPStore's server cop
 reply): the coordinator went past 8 GB and was OOM-killed as the job formed. The notifier
 pushes it instead: one frame shared by every connection (a connection's backlog holds views
 of it, never copies), sent to ``FANOUT_WINDOW`` agents at a time, the next ones as those
-finish: the coordinator holds one copy and ``FANOUT_WINDOW`` socket buffers of it.
+finish: the coordinator holds one copy and ``FANOUT_WINDOW`` socket buffers of it. An agent
+that takes nothing of it for ``BIG_TURN_STALL_S`` (frozen) loses its connection and its turn.
 
 The coordinator also announces its detector (``DETECTOR_KEY``): the agents then
 read their ring successors' heartbeats less often (:class:`ftc10d.membership.NodeAgent`).
