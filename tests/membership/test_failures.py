@@ -14,7 +14,7 @@ import pytest
 
 from tests import harness
 from tests.membership.conftest import etcd_spec, same_config, tcp_spec, wait_states
-from tests.membership.workers import pg_worker
+from tests.membership.workers import pg_worker, short_sync_worker
 
 BACKENDS = ["tcp", "etcd"]
 
@@ -141,3 +141,30 @@ def test_freeze_fence_rejoin(spec: dict[str, Any]) -> None:
     # Every uuid ever used is distinct, and every rank saw the same chain from the rejoin on.
     uuids = [h[1] for r in results for h in results[r]["history"]]
     assert len(set(uuids)) == len({(h[0], h[1]) for r in results for h in results[r]["history"]})
+
+
+def test_a_rendezvous_cut_short_by_the_callers_deadline_counts_no_one_as_a_no_show(coordinator: Any) -> None:
+    """``sync(timeout=)`` shorter than the rendezvous timeout (the Manager passes what is left
+    of its ``sync_timeout``): a member that had not arrived when it ran out proves nothing.
+    Counted, two such calls removed a healthy member whose training thread was busy."""
+    opts = {"expected": 2, "rendezvous_timeout": 10.0, "short": 0.4}
+    job = harness.start(short_sync_worker, 3, tcp_spec(coordinator), opts)
+    try:
+        wait_states(job.store, [0, 1], lambda s: all("on" in v for v in s.values()), 60, "ranks 0 and 1 running")
+        job.store.set("test/join2", "1")
+        deadline = time.monotonic() + 60
+        while int(job.store.add("test/short_done", 0)) < 2:
+            assert time.monotonic() < deadline, "ranks 0 and 2 did not finish their short syncs"
+            time.sleep(0.05)
+        job.store.set("test/release1", "1")
+        wait_states(job.store, [0, 1, 2], lambda s: all(v.get("done") for v in s.values()), 60,
+                    "the three ranks on one configuration")
+        job.store.set("test/stop", "1")
+        res = job.collect(timeout=60)
+    finally:
+        job.close()
+    for r in (0, 2):
+        assert res[r]["short"].count("timeout") >= 2, res[r]  # rank 1 did not come: cut short each time
+    finals = {tuple(res[r]["final"][:2]) for r in res}
+    assert len(finals) == 1 and next(iter(finals))[1] == 3, res  # nobody removed
+    assert all(res[r]["final"][2] == [3.0, 3.0] for r in res)

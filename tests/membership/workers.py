@@ -226,3 +226,122 @@ def member_worker(rank: int, world: int, port: int, spec: dict[str, Any], opts: 
         time.sleep(0.05)
     member.close(leave=True)
     return {"handle": handle, "member": member.id, "seen": seen, "fenced": fenced}
+
+
+def recovering_worker(rank: int, world: int, port: int, spec: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
+    """``Member.recovering`` (finding 35), ranks 0-1 on a 2-member configuration, ranks 2 and 3
+    joining when the test says so.
+
+    A: rank 0 all-reduces inside ``recovering`` and rank 1 never issues it (a peer that went
+    straight to a newer configuration): rank 2's join must abort rank 0's op at once, not
+    at its 30-s timeout. B: on the 3-member configuration, ranks 0 and 2 all-reduce outside
+    a recovery and rank 1 issues it only after rank 3's join was adopted: that join must
+    not abort it (a running step finishes, as before)."""
+    import torch
+
+    import ftc10d
+
+    _log_to(rank)
+    control = client_store(port)
+    pg = ftc10d.ProcessGroup(dist.PrefixStore("pg", client_store(port)), rank, world,
+                             timeout=timedelta(seconds=opts["pg_timeout"]), enable_reconfigure=True)
+    if rank >= 2:
+        control.wait([f"test/join{rank}"], timedelta(seconds=120))
+    member = make_member(spec, pg.get_reconfigure_handle(), opts, rank).join().attach(pg)
+    out: dict[str, Any] = {}
+
+    def wait_epoch_after(epoch: int) -> None:
+        deadline = time.monotonic() + 60
+        while member.current().epoch <= epoch:
+            assert time.monotonic() < deadline, f"rank {rank}: no configuration after epoch {epoch}"
+            time.sleep(0.005)
+
+    cfg = member.sync(pg, timeout=60)
+    if rank <= 1:  # A
+        first = cfg
+        assert first.size == 2, first
+        if rank == 0:
+            t0 = time.monotonic()
+            _publish(control, rank, {"phase": "A"})
+            try:
+                with member.recovering(pg, first):
+                    dist.all_reduce(torch.ones(4), group=pg)
+                out["A"] = "completed"
+            except ftc10d.CollectiveError as exc:
+                out["A"] = type(exc).__name__
+            out["A_seconds"] = time.monotonic() - t0
+            out["A_epoch"] = member.current().epoch
+            control.set("test/A_done", "1")
+        wait_epoch_after(first.epoch)
+        if rank == 1:  # its side of the first configuration stays open meanwhile, as a skipping peer's did
+            control.wait(["test/A_done"], timedelta(seconds=2 * opts["pg_timeout"]))
+            # entering a recovery in a configuration older than the one held aborts at once
+            with member.recovering(pg, first):
+                out["entry_aborted"] = pg.get_error() != ftc10d.ErrorType.SUCCESS
+        cfg = member.sync(pg, timeout=60)
+    if rank <= 2:  # B (rank 3 joins during it)
+        assert cfg.size == 3, cfg
+        t = torch.ones(4)
+        if rank == 1:
+            _publish(control, rank, {"phase": "B"})
+            wait_epoch_after(cfg.epoch)  # rank 3 was admitted: a join only
+            out["B_epoch"] = member.current().epoch
+        dist.all_reduce(t, group=pg)
+        out["B"] = t.tolist()
+        out["B_uuid_kept"] = pg.uuid == cfg.uuid
+        wait_epoch_after(cfg.epoch)  # rank 3's join, which the others may not hold yet
+        member.sync(pg, timeout=60)
+    out["final"] = [member.current().epoch, pg.size()]
+    _publish(control, rank, {"done": True})
+    control.wait(["test/stop"], timedelta(seconds=120))
+    member.close(leave=True)
+    return out
+
+
+def short_sync_worker(rank: int, world: int, port: int, spec: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
+    """Ranks 0 and 2 call ``sync`` with a deadline much shorter than the rendezvous timeout,
+    twice, on configurations rank 1 applies only later (its training thread is busy): a
+    rendezvous that the caller's own deadline cut short must not count rank 1 as a no-show
+    (two in a row would remove a healthy member). Then all three sync and all-reduce."""
+    import torch
+
+    import ftc10d
+
+    _log_to(rank)
+    control = client_store(port)
+    pg = ftc10d.ProcessGroup(dist.PrefixStore("pg", client_store(port)), rank, world,
+                             timeout=timedelta(seconds=30), enable_reconfigure=True)
+    if rank == 2:
+        control.wait(["test/join2"], timedelta(seconds=120))
+    member = make_member(spec, pg.get_reconfigure_handle(), opts, rank).join().attach(pg)
+    out: dict[str, Any] = {"short": []}
+    if rank <= 1:
+        cfg = member.sync(pg, timeout=60)
+        assert cfg.size == 2, cfg
+        _publish(control, rank, {"on": cfg.epoch})
+        while member.current().epoch == cfg.epoch:  # rank 2's join
+            time.sleep(0.005)
+    if rank != 1:
+        for _ in range(3):
+            try:
+                member.sync(pg, timeout=opts["short"])
+                out["short"].append("synced")
+            except ftc10d.MembershipTimeoutError:
+                out["short"].append("timeout")
+        control.add("test/short_done", 1)
+    if rank == 1:
+        control.wait(["test/release1"], timedelta(seconds=60))
+    deadline = time.monotonic() + 60
+    while True:
+        cfg = member.sync(pg, timeout=60)
+        t = torch.ones(2)
+        try:
+            dist.all_reduce(t, group=pg)
+            break
+        except ftc10d.CollectiveError:
+            assert time.monotonic() < deadline
+    out["final"] = [cfg.epoch, cfg.size, t.tolist()]
+    _publish(control, rank, {"done": True})
+    control.wait(["test/stop"], timedelta(seconds=120))
+    member.close(leave=True)
+    return out

@@ -33,12 +33,13 @@ the store first. It can only take part again as a new member (``rejoin()``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from ftc10d.membership.agreement import (
     KEY_START,
@@ -192,6 +193,9 @@ class Member:
         self._pgs: list[Any] = []
         #: (group, configuration) while sync()/apply() waits in that configuration's rendezvous.
         self._applying: Optional[tuple[Any, Configuration]] = None
+        #: (group, configuration) while the caller's first collectives on that configuration
+        #: run (:meth:`recovering`): a newer configuration aborts the group.
+        self._recovering: Optional[tuple[Any, Configuration]] = None
         #: member id -> rendezvous of the newest configuration it missed in a row (NO_SHOW_LIMIT)
         self._no_shows: dict[str, int] = {}
         self._closed = False
@@ -447,10 +451,49 @@ class Member:
         self._pgs.append(pg)
         return self
 
+    @contextlib.contextmanager
+    def recovering(self, pg: Any, cfg: Configuration) -> Iterator[None]:
+        """While the caller runs its recovery's collectives on ``pg`` in ``cfg`` (just
+        moved there by :meth:`sync`), any newer configuration aborts ``pg``, even one that only
+        adds members.
+
+        Why: outside a recovery a join does not abort a running step (its peers are all
+        in it and finish it, then move on together). But a peer that adopted a newer
+        configuration before it finished connecting ``cfg`` goes straight to the newer
+        one and never issues ``cfg``'s recovery collectives, while a peer whose connect
+        completed waits in them for a partner who will not come (chaos finding 35:
+        15 s, until fenced). Aborted, it gets a ``CollectiveError`` and syncs again."""
+        with self._cv:
+            self._recovering = (pg, cfg)
+            cur = self._current
+            newer = cur is not None and cur.incarnation == cfg.incarnation and cur.epoch > cfg.epoch
+        try:
+            if newer:
+                self._abort_recovering(pg, cfg, cur)
+            yield
+        finally:
+            with self._cv:
+                self._recovering = None
+
+    def _abort_recovering(self, pg: Any, old: Configuration, new: Optional[Configuration]) -> None:
+        if pg.uuid != old.uuid or pg.get_error() != _SUCCESS:
+            return  # already moved on or aborted
+        logger.info("membership: %s aborts %r mid-recovery in %s: it holds %s, which its peers may have "
+                    "gone to without finishing that one's recovery", self.id, pg, old, new)
+        pg.abort()
+
     def _abort_stale(self, cfg: Optional[Configuration]) -> None:
         """Abort attached groups whose live configuration lost a member (or all of them:
-        ``cfg`` None, once fenced or when the store lost its state). Never called with
-        the member's condition held."""
+        ``cfg`` None, once fenced or when the store lost its state), and a group still
+        recovering in an older configuration (:meth:`recovering`). Never called with the
+        member's condition held."""
+        recovering = self._recovering
+        if recovering is not None and cfg is not None and cfg.incarnation == recovering[1].incarnation \
+                and cfg.epoch > recovering[1].epoch:
+            try:
+                self._abort_recovering(recovering[0], recovering[1], cfg)
+            except Exception:
+                logger.warning("membership: could not abort %r", recovering[0], exc_info=True)
         applying = self._applying
         if applying is not None and (cfg is None or applying[1].epoch < cfg.epoch):
             # sync() waits in the rendezvous of an older configuration, maybe for members that
@@ -540,10 +583,18 @@ class Member:
 
         if self._current is None:
             self.wait_next(0, left())
+        failed: Optional[BaseException] = None  # the last rendezvous that failed
         while True:
             self.check()
             cfg = self._current
             assert cfg is not None
+            if failed is not None and deadline is not None and time.monotonic() >= deadline:
+                # Without this, a spent deadline gave each retry a 1-ms rendezvous that failed and
+                # renewed the configuration: dozens of epochs a second, until the others came.
+                raise MembershipTimeoutError(
+                    f"member {self.id}: could not bring its group onto the newest configuration ({cfg}) within "
+                    f"{timeout:g} s: {failed}. The others are probably not there yet: call sync() again with "
+                    "a longer timeout (at least rendezvous_timeout)", status=self.status())
             if pg.uuid == cfg.uuid:
                 if pg.get_error() == _SUCCESS:
                     return cfg
@@ -554,19 +605,24 @@ class Member:
                     self._renew(cfg, "its configuration was aborted and no change followed")
                     self.wait_next(cfg.epoch, left())
                     continue
+            wait = left(self.rendezvous_timeout)
             try:
-                applied = self.apply(pg, cfg, timeout=max(left(self.rendezvous_timeout) or 0.0, 0.001))
+                applied = self.apply(pg, cfg, timeout=max(wait or 0.0, 0.001))
                 self._no_shows = {}
                 return applied
             except ReconfigureAbandonedError as exc:
                 # A newer configuration superseded cfg (adopted here, or by a member that went
                 # straight to it and gave cfg's rendezvous up): it is in the store already.
                 logger.info("membership: %s gave up %s: %s", self.id, cfg, exc)
+                failed = exc
                 self._renew(cfg, f"the rendezvous of epoch {cfg.epoch} was given up")
                 self.wait_next(cfg.epoch, left())
             except (ReconfigureTimeoutError, ReconfigureConnectError, UuidReusedError) as exc:
                 logger.warning("membership: %s could not connect %s (%s)", self.id, cfg, exc)
-                no_shows = self._count_no_shows(cfg, getattr(exc, "missing_handles", ()))
+                failed = exc
+                # a rendezvous cut short by this call's own deadline proves nobody a no-show
+                full = wait is None or wait >= self.rendezvous_timeout
+                no_shows = self._count_no_shows(cfg, getattr(exc, "missing_handles", ())) if full else {}
                 self._renew(cfg, f"the rendezvous of epoch {cfg.epoch} failed", no_shows)
                 self.wait_next(cfg.epoch, left())
 

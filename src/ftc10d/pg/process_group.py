@@ -250,6 +250,11 @@ class ProcessGroup(dist.ProcessGroup):
         return gen.uuid if gen is not None else None
 
     @property
+    def reconfiguring(self) -> bool:
+        """Whether a ``reconfigure()`` waits in its rendezvous now (``abort()`` gives it up)."""
+        return self._pending is not None
+
+    @property
     def generation(self) -> Optional[Generation]:
         return self._gen
 

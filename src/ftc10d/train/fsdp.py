@@ -198,10 +198,14 @@ class HSDPGroups:
         return hook
 
     def abort(self) -> None:
-        """Abort both groups' current configurations (their pending ops raise at once)."""
+        """Abort the groups' current configurations (their pending ops raise at once), and
+        give up a rendezvous one of them waits in: :meth:`configure` moves them one after
+        the other, and a peer that left the world's configuration half-way (aborted before
+        its own ``configure``) never comes to it; without this, the rank waits out the
+        groups' timeout there."""
         for pg in (self.shard, self.replicate, self.participants):
             gen = pg.generation
-            if gen is not None and not gen.aborted:
+            if pg.reconfiguring or (gen is not None and not gen.aborted):
                 pg.abort()
 
 

@@ -100,6 +100,7 @@ from ftc10d.types import (
     ErrorType,
     Fenced,
     InvalidOptionError,
+    ReconfigureAbandonedError,
     ReplicaDivergenceError,
     StoreUnavailableError,
 )
@@ -655,25 +656,15 @@ class Manager:
                     self.member.wait_next(self._target_epoch - 1, timeout=left)
                 cfg = self.member.sync(self.pg, timeout=left)
                 self._cfg_epoch = cfg.epoch
-                if self.hsdp is not None:
-                    from ftc10d.train.fsdp import recover_shards
-
-                    if not recover_shards(self, cfg, deadline):
-                        continue  # this rank's replica is incomplete: it waited for the next configuration
-                    self._finish_recovery(cfg, t0)
-                    return
-                plan = make_plan(self.pg, self.step, self._synced, self.commit_epoch, JobProgress.read(self.member))
-                if not self._continues(cfg, plan.job, plan.target, plan.held, plan.source, deadline):
-                    continue
-                # A rank that was never synced (a joiner) may be overwritten while its state arrives.
-                state, nbytes, secs = transfer(self.pg, plan, self.state_dict,
-                                               None if self._synced else self.state_dict)
-                self._received(plan, state, nbytes, secs)
-                self._verify_replicas()
+                # a newer configuration aborts the group meanwhile: its peers may skip this one (finding 35)
+                with self.member.recovering(self.pg, cfg):
+                    if not self._recover_in(cfg, deadline):
+                        continue
             except Fenced as exc:
                 self._on_fenced(exc)
                 continue
-            except CollectiveError as exc:
+            except (CollectiveError, ReconfigureAbandonedError) as exc:
+                # ReconfigureAbandonedError: FT-HSDP's sub-groups were mid-rendezvous when the world aborted
                 logger.warning("manager: recovery interrupted (%s); waiting for the next configuration", exc)
                 continue
             except StoreUnavailableError as exc:  # the job's progress could not be read: sync again
@@ -682,6 +673,22 @@ class Manager:
                 continue
             self._finish_recovery(cfg, t0)
             return
+
+    def _recover_in(self, cfg: Any, deadline: float) -> bool:
+        """One recovery in ``cfg`` (``pg`` is on it): plan, transfer, compare the replicas.
+        False when the job cannot go on in ``cfg`` (this rank waited for the next one)."""
+        if self.hsdp is not None:
+            from ftc10d.train.fsdp import recover_shards
+
+            return recover_shards(self, cfg, deadline)  # False: this rank's replica is incomplete
+        plan = make_plan(self.pg, self.step, self._synced, self.commit_epoch, JobProgress.read(self.member))
+        if not self._continues(cfg, plan.job, plan.target, plan.held, plan.source, deadline):
+            return False
+        # A rank that was never synced (a joiner) may be overwritten while its state arrives.
+        state, nbytes, secs = transfer(self.pg, plan, self.state_dict, None if self._synced else self.state_dict)
+        self._received(plan, state, nbytes, secs)
+        self._verify_replicas()
+        return True
 
     def _finish_recovery(self, cfg: Any, t0: float) -> None:
         self._exchanged_uuid = self.pg.uuid
