@@ -67,6 +67,37 @@ def test_short_fixed_seed_chaos_run_has_no_violation(tmp_path: Path) -> None:
     assert len(records) == TRIALS and all(json.loads(r.read_text())["survived"] for r in records)
 
 
+def test_the_store_freeze_is_drawn_only_when_weighted() -> None:
+    """``store_stop`` came after runs whose seeds are on record: a seed draws what it drew."""
+    seeds = trial_seeds(5, 200)
+    assert not any(f.kind == "store_stop" for s in seeds for f in draw(s).faults)
+    weighted = [f for s in seeds for f in draw(s, weights={"store_stop": 20}).faults if f.kind == "store_stop"]
+    assert weighted and all(0.3 <= (f.duration or 0) <= 3.0 for f in weighted)
+    assert not any(f.kind == "store_stop" for s in seeds[:50]
+                   for f in draw(s, membership="etcd", weights={"store_stop": 20}).faults)
+
+
+def test_a_store_frozen_past_the_heartbeat_timeout_removes_nobody(tmp_path: Path) -> None:
+    """The coordinator store SIGSTOPped for 2.5 s (3.3 heartbeat timeouts): every member's
+    store call blocks and nobody can beat. On SIGCONT the job goes on in the same
+    configuration: no removal on the silence everyone shared, no respawn, no pause past the
+    bound (the freeze plus a timeout plus the usual allowance)."""
+    spec = {"seed": 1, "world_size": 3, "steps": 60, "timeout": 150,
+            "faults": [{"kind": "store_stop", "slot": 0, "at_step": 12, "duration": 2.5}]}
+    out, summary = _replay(tmp_path, spec)
+    assert summary["faults_by_kind"] == {"store_stop": 1}, summary
+    record = json.loads(next((out / "trials").glob("*.json")).read_text())
+    fault = record["faults"][0]
+    assert fault["pids"] and fault["t_end"] >= fault["t_fault"] + 2.5, fault  # stopped, then continued
+    events = [json.loads(line) for f in (out / "trials").glob("*/events/*.jsonl")
+              for line in f.read_text().splitlines()]
+    starts = sorted(e["slot"] for e in events if e["kind"] == "start")
+    epochs = {e.get("epoch") for e in events if e["kind"] == "reconfigured"}
+    assert starts == [0, 1, 2] and epochs == {1}, (starts, epochs)  # nobody respawned, nobody removed
+    commits = [e for e in events if e["kind"] == "commit"]
+    assert len(commits) == 3 * 60, len(commits)
+
+
 def test_a_bad_replay_file_is_a_usage_error(tmp_path: Path) -> None:
     bad = tmp_path / "r.json"
     bad.write_text(json.dumps({"seed": 1, "faults": [{"kind": "kill", "slot": 7, "at_step": 10}]}))

@@ -63,7 +63,7 @@ def test_a_member_whose_training_thread_hangs_is_removed_after_missing_two_rende
     """Chaos finding 15: a member's training thread hung while its heartbeat went on; the
     others renewed the same membership every rendezvous timeout for the rest of the trial.
     A member that misses two rendezvous in a row of the newest configuration is removed."""
-    opts = {"expected": 4, "hang": {"2": "test/hang"}, "pg_timeout": 3, "rendezvous_timeout": 2.0}
+    opts = {"expected": 4, "hang": {"2": "test/hang"}, "pg_timeout": 3, "rendezvous_timeout": 3.0}
     job = harness.start(pg_worker, 4, tcp_spec(coordinator), opts)
     try:
         st = wait_states(job.store, [0, 1, 2, 3], lambda s: same_config(s, 4, min_steps=3), 60, "4 ranks running")

@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
     from datetime import timedelta
     import torch.distributed as dist
     import ftc10d
-    import ftc10d.membership.member as member_mod
+    import ftc10d.membership.background as member_mod
     from ftc10d.membership import Coordinator, Member, TCPMembershipStore
 
     member_mod.WAIT_SLICE = 0.3  # many watch slices in a short test

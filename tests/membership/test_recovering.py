@@ -38,6 +38,8 @@ def test_a_join_aborts_a_recovery_a_peer_skipped_but_not_a_running_step(coordina
     finally:
         job.close()
     a = res[0]
+    print(f"recovery all-reduce ended {a['A']} {a['A_seconds']:.3f} s after it was issued (the join was "
+          "requested 0.3 s after it)")
     # A: aborted by the join (ProcessGroupAborted), well before the op's own timeout (30 s:
     # CollectiveTimeoutError, what it was before the fix)
     assert a["A"] == "ProcessGroupAborted", a

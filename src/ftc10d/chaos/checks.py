@@ -387,7 +387,7 @@ def pause_bound(spec: Any) -> float:
     hb = float(spec.heartbeat_timeout)
     extra = 0.0
     for f in spec.faults:
-        if f.kind in ("store", "etcd"):
+        if f.kind in ("store", "etcd", "store_stop"):
             extra = max(extra, float(f.duration or 0.0) + hb)
     return round(2 * hb + PAUSE_ALLOWANCE_S + extra, 3)
 

@@ -5,6 +5,7 @@ kill the launcher too. For the ``store`` fault the trial runs ``ftc10d coordinat
 child (its own session), points every launcher at it (``LaunchConfig.coordinator``),
 SIGKILLs it and restarts it on the same port (from a warm standby: no import delay): the store's state is gone (it is in
 memory), the members notice the new incarnation, rejoin and re-form with a fresh uuid.
+For the ``store_stop`` fault it SIGSTOPs it instead and SIGCONTs it later (state kept).
 """
 
 from __future__ import annotations
@@ -78,7 +79,22 @@ class CoordinatorProcess:
         """SIGKILL the running coordinator (its state is lost with it)."""
         self.proc = _killpg(self.proc)
 
+    def freeze(self) -> int:
+        """SIGSTOP the running coordinator (its state stays; its clients' calls block). Returns its pid."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+        return self.proc.pid
+
+    def thaw(self) -> None:
+        """SIGCONT what :meth:`freeze` stopped."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
     def close(self) -> None:
+        self.thaw()  # a stopped process in the group would not die of SIGKILL any later
         self.kill()
         self._standby = _killpg(self._standby)
 

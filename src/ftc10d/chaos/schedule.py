@@ -39,6 +39,12 @@ Kinds (``KINDS``), with ``hb`` the heartbeat timeout:
 - ``store``       the coordinator store (``ftc10d coordinator``, a process of its own in
                   trials that have this fault) is SIGKILLed and restarted on the same port
                   ``duration`` later, with none of its state: members re-form;
+- ``store_stop``  the coordinator store process is SIGSTOPped for ``duration`` (0.3-3 s, up to
+                  four heartbeat timeouts), then SIGCONTed: every store call of the members
+                  blocks meanwhile (torch's TCPStore client has no timeout on a stopped
+                  server), nobody can beat; on resume nobody may be removed for the silence
+                  and the job goes on. Opt-in (weight 0 unless ``--weight store_stop=N``), so
+                  that the seeds of earlier runs still draw the trials they drew;
 - ``etcd``        (``--membership etcd`` only) etcd member ``slot`` of the trial's three is
                   SIGKILLed and restarted ``duration`` (0.5-3 s) later on its own data dir,
                   so it rejoins the cluster; the other two keep the quorum, the job trains on
@@ -67,7 +73,11 @@ from typing import Any, Optional
 from ftc10d.types import InvalidOptionError
 
 KINDS = ("kill", "stop_short", "stop_long", "slow", "double", "die_vote", "die_after_vote", "die_send", "partition",
-         "store", "etcd", "node", "stale")
+         "store", "etcd", "node", "stale", "store_stop")
+#: Kinds drawn only when given a weight (``--weight KIND=N``): added after runs whose seeds are on record.
+OPT_IN = ("store_stop",)
+#: Kinds that need the coordinator store as a process of its own (``TrialSpec.membership`` tcp).
+STORE_KINDS = ("store", "store_stop")
 #: ``stale``: steps the others commit without the frozen worker before its newer state's holders are killed.
 STALE_GAP = 5
 #: Kinds armed in the job at launch (its ``die`` option): at most one of each per trial.
@@ -123,7 +133,7 @@ class Fault:
         if self.kind == "double":
             return (f"double@{self.at_step}: kill slot {self.slot} + {self.kind2} slot {self.slot2} "
                     f"{self.gap_s * 1000:.0f} ms later{dur}")
-        where = f"host {self.slot}" if self.kind == "partition" else "coordinator" if self.kind == "store" \
+        where = f"host {self.slot}" if self.kind == "partition" else "coordinator" if self.kind in STORE_KINDS \
             else f"etcd member {self.slot}" if self.kind == "etcd" else f"replica {self.slot}" \
             if self.kind == "node" else f"slot {self.slot}"
         return f"{self.kind}@{self.at_step} {where}{dur}"
@@ -184,11 +194,13 @@ def validate(spec: TrialSpec) -> None:
         raise ScheduleError("--membership etcd runs its etcd cluster on the root namespace's loopback, which other "
                             "hosts cannot reach: use --hosts 1 with it")
     for f in spec.faults:
-        limit = spec.hosts if f.kind == "partition" else 1 if f.kind == "store" \
+        limit = spec.hosts if f.kind == "partition" else 1 if f.kind in STORE_KINDS \
             else ETCD_MEMBERS if f.kind == "etcd" else spec.mesh[0] if f.kind == "node" and spec.mesh \
             else spec.world_size
         if f.kind == "node" and spec.mesh is None:
             raise ScheduleError(f"{f}: a node fault takes a whole replica of an FT-HSDP job (--mesh RxS)")
+        if f.kind in STORE_KINDS and spec.membership != "tcp":
+            raise ScheduleError(f"{f}: a store fault takes the coordinator store (--membership tcp)")
         if f.kind == "etcd" and spec.membership != "etcd":
             raise ScheduleError(f"{f}: an etcd fault needs the trial's membership in etcd (--membership etcd)")
         if not 0 <= f.slot < limit:
@@ -202,7 +214,7 @@ def validate(spec: TrialSpec) -> None:
             if (f.slot2 is None or f.kind2 not in DOUBLE_PARTS or f.slot2 == f.slot
                     or not 0 <= f.slot2 < spec.world_size):
                 raise ScheduleError(f"{f}: a double needs slot2 != slot and kind2 in {DOUBLE_PARTS}")
-        timed = ("stop_short", "stop_long", "slow", "partition", "store", "etcd", "stale")
+        timed = ("stop_short", "stop_long", "slow", "partition", "store", "etcd", "stale", "store_stop")
         if f.kind in timed and (f.duration is None or f.duration <= 0):
             raise ScheduleError(f"{f}: needs a positive duration")
 
@@ -235,7 +247,7 @@ def mesh_kinds(replicas: int, membership: str = "tcp") -> tuple[str, ...]:
     """The kinds a ``--mesh`` trial draws: no partition (one host), ``node``, and ``die_send``
     only with a third replica to send the shard after the first sender died."""
     return tuple(k for k in KINDS if k != "partition" and (k != "die_send" or replicas >= 3)
-                 and (k != "store" or membership == "tcp") and (k != "etcd" or membership == "etcd"))
+                 and (k not in STORE_KINDS or membership == "tcp") and (k != "etcd" or membership == "etcd"))
 
 
 def hosts_of(world_size: int, hosts: int) -> list[int]:
@@ -274,6 +286,8 @@ def draw_fault(rng: random.Random, kind: str, at_step: int, world_size: int, hb:
         return Fault(kind, rng.randrange(1, hosts), at_step, round(rng.uniform(2.0, 3.5) * hb, 3))
     if kind == "store":
         return Fault(kind, 0, at_step, round(rng.uniform(0.3, 1.5), 3))
+    if kind == "store_stop":
+        return Fault(kind, 0, at_step, round(rng.uniform(0.3, 3.0), 3))
     if kind == "etcd":
         return Fault(kind, rng.randrange(ETCD_MEMBERS), at_step, round(rng.uniform(0.5, 3.0), 3))
     return Fault(kind, slot, at_step)
@@ -283,7 +297,7 @@ def available_kinds(hosts: int, partition_ok: bool, membership: str = "tcp") -> 
     """The kinds a trial can draw: ``partition`` with several hosts, ``store`` (the coordinator
     TCPStore holding the membership) with ``tcp``, ``etcd`` (one of three members) with ``etcd``."""
     return tuple(k for k in KINDS if (k != "partition" or (hosts > 1 and partition_ok)) and k != "node"
-                 and (k != "store" or membership == "tcp") and (k != "etcd" or membership == "etcd"))
+                 and (k not in STORE_KINDS or membership == "tcp") and (k != "etcd" or membership == "etcd"))
 
 
 def draw(seed: int, *, world_size: int = 4, steps: int = 150, heartbeat_timeout: float = 0.75, hosts: int = 1,
@@ -301,7 +315,7 @@ def draw(seed: int, *, world_size: int = 4, steps: int = 150, heartbeat_timeout:
     unknown = sorted(set(weights) - set(KINDS))
     if unknown or any(not isinstance(w, int) or w < 0 for w in weights.values()):
         raise ScheduleError(f"weights {weights}: kinds must be among {', '.join(KINDS)} and weights integers >= 0")
-    pool = tuple(k for k in kinds for _ in range(weights.get(k, 1)))
+    pool = tuple(k for k in kinds for _ in range(weights.get(k, 0 if k in OPT_IN else 1)))
     if not pool:
         raise ScheduleError(f"weights {weights} leave no kind to draw among {', '.join(kinds)}")
     count = rng.randint(1, max_faults)

@@ -36,7 +36,7 @@ from ftc10d.chaos import checks
 from ftc10d.chaos.coordinator import CoordinatorProcess
 from ftc10d.chaos.etcd import EtcdCluster
 from ftc10d.chaos.netns import Hosts
-from ftc10d.chaos.schedule import ETCD_MEMBERS, STALE_GAP, Fault, TrialSpec, hosts_of
+from ftc10d.chaos.schedule import ETCD_MEMBERS, STALE_GAP, STORE_KINDS, Fault, TrialSpec, hosts_of
 from ftc10d.demo.driver import Tail  # new complete JSON lines of a folder's *.jsonl, as the demo tails them
 
 logger = logging.getLogger("ftc10d")
@@ -154,7 +154,7 @@ class Trial:
         pythonpath = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
         die = self._die_opts()
         address: Optional[str] = None
-        if any(f.kind == "store" for f in self.spec.faults):
+        if any(f.kind in STORE_KINDS for f in self.spec.faults):
             self.coord = CoordinatorProcess(self.net.ip_of(0) if self.spec.hosts > 1 else "127.0.0.1",
                                             self.spec.heartbeat_timeout, {"PYTHONPATH": pythonpath})
             self.coord.start()
@@ -223,7 +223,7 @@ class Trial:
         """Fire ``inj``'s fault now if its target is there; False to try again next tick."""
         f, now = inj.fault, time.time()
         targets = [f.slot, f.slot2] if f.kind == "double" else self._replica_slots(f.slot) if f.kind == "node" \
-            else [] if f.kind in ("partition", "die_vote", "die_after_vote", "store", "etcd") else [f.slot]
+            else [] if f.kind in ("partition", "die_vote", "die_after_vote", "etcd", *STORE_KINDS) else [f.slot]
         if any(self._pid(s) is None for s in targets if s is not None):
             return False
         if self.spec.mesh is not None and not self._mesh_whole(now):
@@ -264,6 +264,10 @@ class Trial:
             assert self.coord is not None
             self.coord.kill()
             self._at(now + (f.duration or 1.0), lambda: self._restart_store(inj))
+        elif f.kind == "store_stop":
+            assert self.coord is not None
+            inj.pids = [self.coord.freeze()]
+            self._at(now + (f.duration or 1.0), lambda: self._thaw_store(inj))
         elif f.kind == "etcd":
             assert self.etcd is not None
             node = self.etcd.nodes[f.slot]
@@ -338,6 +342,11 @@ class Trial:
     def _restart_store(self, inj: Injected) -> None:
         assert self.coord is not None
         self.coord.start()
+        inj.t_end = time.time()
+
+    def _thaw_store(self, inj: Injected) -> None:
+        assert self.coord is not None
+        self.coord.thaw()
         inj.t_end = time.time()
 
     def _etcd_whole(self, slot: int) -> bool:

@@ -31,7 +31,8 @@ On a TCPStore the threads share the agent's one store connection (nobody blocks 
 the store: waits are polls or hints): a node costs the store one connection and ~10
 requests a second at a 1-s timeout, whatever its number of ranks.
 - **io**: one thread serves the local channel (accept, read, buffered writes),
-  so that a frozen worker's full socket never blocks the agent.
+  so that a frozen worker's full socket never blocks the agent
+  (:mod:`ftc10d.membership.agent_channel`).
 
 The agent proposes as an *authority* (like the coordinator's detector): its
 proposals obey ``min_members`` and the majority rule; it proposes suspicions
@@ -45,7 +46,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import selectors
 import shutil
 import socket
 import tempfile
@@ -53,11 +53,11 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from ftc10d.membership.agreement import KEY_START, Agreement, Configuration, cfg_key, hb_key, new_member_id, unit_of
-from ftc10d.membership.detector import JUDGE_TICK_S, LapseDetector
-from ftc10d.membership.local import FrameBuffer, b64, encode
+from ftc10d.membership.agreement import KEY_START, Agreement, Configuration, cfg_key, hb_key, new_member_id
+from ftc10d.membership.detector import JUDGE_TICK_S, LapseDetector, pace
 from ftc10d.membership import monitor as monitor_mod
-from ftc10d.membership.monitor import BeatMonitor, monitors_of
+from ftc10d.membership.agent_channel import LocalChannel, _Conn
+from ftc10d.membership.local import b64, encode
 from ftc10d.membership.notify import DETECTOR_KEY, NOTIFY_KEY, SAFETY_POLL_S, HintClient
 from ftc10d.membership.records import Signer
 from ftc10d.membership.store import MembershipStore
@@ -74,8 +74,6 @@ WAIT_SLICE = 5.0
 #: looks for the first configuration every 100 ms).
 FIRST_PUSH_WAIT_S = 30.0
 PUSH_GRACE_S = 0.5
-#: Bytes a worker may leave unread (it is frozen) before its link is dropped (it then watches the store).
-MAX_BACKLOG = 64 << 20
 
 
 def node_ring(cfg: Configuration, node: str, k: int) -> list[str]:
@@ -88,20 +86,7 @@ def node_ring(cfg: Configuration, node: str, k: int) -> list[str]:
     return [units[(i + j) % n] for j in range(1, min(k, n - 1) + 1)]
 
 
-class _Conn:
-    """One worker's end of the local channel, as the agent sees it."""
-
-    __slots__ = ("sock", "frames", "out", "member", "pid")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.frames = FrameBuffer()
-        self.out = bytearray()
-        self.member: Optional[str] = None
-        self.pid = 0
-
-
-class NodeAgent:
+class NodeAgent(LocalChannel):
     """A node's member: heartbeats, watches and detects for the ranks of its node.
 
     Args:
@@ -166,7 +151,7 @@ class NodeAgent:
         self._last_seen: dict[str, float] = {}  # local member id -> when its last local beat came
         self._coordinator_detects = False  # announced in the store (DETECTOR_KEY)
         self._hints: Optional[HintClient] = None  # the watch thread's connection to the notifier
-        self._monitor: Optional[BeatMonitor] = None  # etcd: the job-wide watch, while a monitor
+        self._monitor: Optional[monitor_mod.BeatMonitor] = None  # etcd: the job-wide watch, while a monitor
         self.proposals = 0  # removals this agent proposed (tests, benchmarks)
         self.pushed = 0  # configurations taken from the record pushed with a hint (no store read)
 
@@ -195,7 +180,7 @@ class NodeAgent:
             self._cleanup()
             raise
         if self._store.kind == "etcd" and monitor_mod.MONITORS > 0:  # 0: rings only (as before monitors)
-            self._monitor = BeatMonitor(self._store.clone(), self._signer, self.heartbeat_timeout,
+            self._monitor = monitor_mod.BeatMonitor(self._store.clone(), self._signer, self.heartbeat_timeout,
                                         thread_init=self._thread_init)
         for name, fn in (("beat", self._beat_loop), ("watch", self._watch_loop),
                          ("detect", self._detect_loop), ("io", self._io_loop)):
@@ -366,12 +351,7 @@ class NodeAgent:
                 logger.debug("node agent %s: heartbeat failed: %s", self.id, exc)
             except Exception:
                 logger.warning("membership: heartbeat of node agent %s failed", self.id, exc_info=True)
-            next_t += self.heartbeat_interval
-            delay = next_t - time.monotonic()
-            if delay < -self.heartbeat_interval:
-                next_t = time.monotonic()
-            elif delay > 0:
-                self._stop.wait(delay)
+            next_t = pace(next_t, self.heartbeat_interval, self._stop)
         self._release(store)
 
     def _healthy(self, now: float) -> bool:
@@ -560,7 +540,7 @@ class NodeAgent:
             if view[0] is not cur:  # once per configuration: O(ranks) at 32,768 ranks is ms
                 view = (cur, cur.units.get(self.id, ()), node_ring(cur, self.id, self.watchers))
                 if monitor is not None:
-                    monitoring = self.id in monitors_of(cur)
+                    monitoring = self.id in monitor_mod.monitors_of(cur)
                     if monitoring:
                         monitor.stream()
                     else:
@@ -612,140 +592,3 @@ class NodeAgent:
                 logger.warning("membership: detector of node agent %s failed", self.id, exc_info=True)
                 self._stop.wait(self.heartbeat_interval)
         self._release(store)
-
-    # ================================================================ local channel
-
-    def _io_loop(self) -> None:
-        sel = selectors.DefaultSelector()
-        assert self._listener is not None
-        sel.register(self._listener, selectors.EVENT_READ, "accept")
-        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._wake_r.setblocking(False)
-        try:
-            while not self._stop.is_set():
-                for key, events in sel.select(timeout=1.0):
-                    tag = key.data
-                    if tag == "accept":
-                        self._accept(sel)
-                    elif tag == "wake":
-                        try:
-                            self._wake_r.recv(4096)
-                        except BlockingIOError:
-                            pass
-                    else:
-                        conn: _Conn = tag
-                        if events & selectors.EVENT_READ:
-                            self._read(sel, conn)
-                        if events & selectors.EVENT_WRITE:
-                            self._flush(sel, conn)
-                with self._lock:
-                    pending = [c for c in self._conns.values() if c.out]
-                for c in pending:
-                    self._flush(sel, c)
-        finally:
-            sel.close()
-
-    def _accept(self, sel: selectors.BaseSelector) -> None:
-        assert self._listener is not None
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            sock.setblocking(False)
-            conn = _Conn(sock)
-            with self._lock:
-                self._conns[sock.fileno()] = conn
-            sel.register(sock, selectors.EVENT_READ, conn)
-
-    def _drop(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
-        with self._lock:
-            self._conns.pop(conn.sock.fileno(), None)
-        try:
-            sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
-        conn.sock.close()
-        if conn.member:
-            logger.info("membership: node agent %s: the link of %s (pid %d) closed", self.id, conn.member, conn.pid)
-
-    def _read(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
-        try:
-            data = conn.sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._drop(sel, conn)
-            return
-        try:
-            msgs = conn.frames.feed(data)
-        except Exception as exc:
-            logger.warning("membership: node agent %s drops a local link: %s", self.id, exc)
-            self._drop(sel, conn)
-            return
-        now = time.monotonic()
-        replies = bytearray()
-        for msg in msgs:
-            op = msg.get("op")
-            if op == "hello":
-                conn.pid = int(msg["pid"]) if isinstance(msg.get("pid"), int) else 0
-                replies += encode({"op": "welcome", "node": self.id, "lease": self._lease})
-            elif op == "beat" and isinstance(msg.get("id"), str) and isinstance(msg.get("n"), int):
-                mid = msg["id"]
-                if unit_of(mid) != self.id:
-                    continue  # not one of ours: nothing to vouch for
-                first = conn.member is None
-                conn.member = mid
-                with self._lock:
-                    if mid in self._last_seen:
-                        self._last_seen[mid] = now
-                ok = now - self._store_ok_at < max(2 * self.heartbeat_interval, self.heartbeat_timeout / 2)
-                replies += encode({"op": "ack", "n": msg["n"], "ok": ok})
-                if first and self._cur is not None:
-                    self._send_latest(conn)
-        if replies:
-            with self._lock:
-                conn.out += replies
-            self._flush(sel, conn)
-
-    def _send_latest(self, conn: _Conn) -> None:
-        """A worker that just linked: the agent's newest record, so that a joiner need not poll."""
-        with self._lock:
-            cur, raw = self._cur, self._cur_raw
-            if cur is not None and raw is not None:
-                conn.out += encode({"op": "cfg", "epoch": cur.epoch, "raw": b64(raw)})
-
-    def _flush(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
-        with self._lock:
-            if len(conn.out) > MAX_BACKLOG:
-                logger.warning("membership: node agent %s drops the link of %s (pid %d): %d bytes unread",
-                               self.id, conn.member, conn.pid, len(conn.out))
-                conn.out.clear()
-                data = None
-            else:
-                data = bytes(conn.out[:1 << 20])
-        if data is None:
-            self._drop(sel, conn)
-            return
-        sent = 0
-        if data:
-            try:
-                sent = conn.sock.send(data)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
-                self._drop(sel, conn)
-                return
-        with self._lock:
-            del conn.out[:sent]
-            want = bool(conn.out)
-            if not want:
-                # A drained buffer keeps its capacity: after a 32,768-rank first configuration,
-                # ~3 MB per linked rank for the life of the job (found at 4,096 simulated nodes).
-                conn.out = bytearray()
-        try:
-            sel.modify(conn.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if want else 0), conn)
-        except (KeyError, ValueError):
-            pass

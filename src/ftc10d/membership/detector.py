@@ -24,6 +24,8 @@ lease) is a lapse at once.
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Optional
 
 from ftc10d.membership.agreement import hb_key
@@ -39,6 +41,19 @@ JUDGE_TICK_S = 0.025
 
 def beat_counter(signer: Signer, member_id: str, raw: Optional[bytes]) -> Optional[int]:
     return signer.decode_beat(hb_key(member_id), raw)
+
+
+def pace(last: float, interval: float, stop: threading.Event) -> float:
+    """Wait until ``interval`` after the beat due at ``last`` (or ``stop``) and return when the
+    next one is due. A thread more than an interval late (it was frozen or starved) starts
+    again from now: no burst of catch-up beats, which would look like a live member."""
+    due = last + interval
+    delay = due - time.monotonic()
+    if delay < -interval:
+        return time.monotonic()
+    if delay > 0:
+        stop.wait(delay)
+    return due
 
 
 class LapseDetector:
@@ -110,3 +125,34 @@ class LapseDetector:
         if self._prev_now is None or now - self._prev_now > self.timeout / 2:
             return []
         return [m for m, (_, t) in self._last.items() if now - t > self.timeout]
+
+
+class BeatInbox:
+    """Heartbeats that arrived on another thread (the coordinator's notifier stream, an etcd
+    watch), the newest per unit with its arrival time, until the detecting thread drains
+    them into its :class:`LapseDetector` (:meth:`drain_into`, before each read or judgement).
+
+    Why a buffer rather than calling :meth:`LapseDetector.saw` from the stream's thread: the
+    detector belongs to the detecting thread alone (no lock on its path); the stream only
+    stores. Bounded: unit names come from the network (a unit already held is always updated).
+    """
+
+    def __init__(self, limit: int = 1 << 20) -> None:
+        self._limit = limit
+        self._beats: dict[str, tuple[bytes, float]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, unit: str, raw: bytes, when: float) -> None:
+        with self._lock:
+            if len(self._beats) < self._limit or unit in self._beats:
+                self._beats[unit] = (raw, when)
+
+    def drain_into(self, detector: LapseDetector) -> None:
+        with self._lock:
+            beats, self._beats = self._beats, {}
+        for unit, (raw, when) in beats.items():
+            detector.saw(unit, raw, when)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._beats.clear()

@@ -36,7 +36,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import requests
 
@@ -338,27 +338,31 @@ class EtcdMembershipStore(MembershipStore):
 
     def _watch_once(self, key: str, start_revision: int, timeout: float) -> Optional[bytes]:
         """One watch stream from ``start_revision``: the first put of ``key``, or None."""
+        body = {"create_request": {"key": _b64(self._k(key)), "start_revision": start_revision}}
+        for result in self._watch_stream(body, max(timeout, 0.01)):
+            for event in result.get("events") or []:
+                if event.get("type", "PUT") == "PUT":
+                    return _unb64(event["kv"].get("value", ""))
+        return None
+
+    def _watch_stream(self, body: dict[str, Any], quiet: float) -> Iterator[dict[str, Any]]:
+        """Open one watch stream (``body``: its create request) and yield each message's
+        ``result`` (``{}`` for a keep-alive line, so that the caller can look at its stop
+        flag); it ends without error once nothing came for ``quiet`` seconds. Raises
+        :class:`StoreUnavailableError` (and moves to the next endpoint) if the watch fails."""
         host, port, proto = _parse_endpoint(self.endpoints[self._idx])
         url = f"{proto}://{host}:{port}/v3/watch"
-        body = {"create_request": {"key": _b64(self._k(key)), "start_revision": start_revision}}
         count_request()  # a watch stream opened
         try:
-            with requests.post(url, json=body, stream=True, timeout=(self.timeout, max(timeout, 0.01))) as resp:
+            with requests.post(url, json=body, stream=True, timeout=(self.timeout, quiet)) as resp:
                 for line in resp.iter_lines():
-                    if not line.strip():
-                        continue
-                    result = json.loads(line).get("result", {})
-                    for event in result.get("events") or []:
-                        if event.get("type", "PUT") == "PUT":
-                            return _unb64(event["kv"].get("value", ""))
-        except requests.exceptions.ReadTimeout:
-            return None
+                    yield json.loads(line).get("result", {}) if line.strip() else {}
         except (requests.RequestException, ValueError) as exc:
-            if "timed out" in str(exc).lower() and not isinstance(exc, requests.exceptions.ConnectTimeout):
-                return None  # a streamed read timing out surfaces as a ConnectionError: no event in time
+            if isinstance(exc, requests.exceptions.ReadTimeout) or (
+                    "timed out" in str(exc).lower() and not isinstance(exc, requests.exceptions.ConnectTimeout)):
+                return  # quiet: a streamed read timing out surfaces as a ConnectionError too
             self._idx = (self._idx + 1) % len(self.endpoints)
             raise StoreUnavailableError(f"etcd watch on {url} failed: {exc}") from exc
-        return None
 
     def read_prefix(self, prefix: str) -> dict[str, bytes]:
         """Every key under ``prefix`` (relative to the store's prefix) and its value, in one
@@ -382,35 +386,20 @@ class EtcdMembershipStore(MembershipStore):
             if start is None:
                 head = self._post("/kv/range", {"key": _b64(p), "range_end": _range_end(p), "count_only": True})
                 start = int(head.get("header", {}).get("revision", 0)) + 1
-            host, port, proto = _parse_endpoint(self.endpoints[self._idx])
-            url = f"{proto}://{host}:{port}/v3/watch"
             body = {"create_request": {"key": _b64(p), "range_end": _range_end(p), "start_revision": start}}
-            count_request()  # a watch stream opened
-            try:
-                with requests.post(url, json=body, stream=True, timeout=(self.timeout, idle)) as resp:
-                    for line in resp.iter_lines():
-                        if stop.is_set():
-                            return
-                        if not line.strip():
-                            continue
-                        result = json.loads(line).get("result", {})
-                        if result.get("canceled") or int(result.get("compact_revision", 0) or 0):
-                            start = None  # compacted past ``start``: go on from the present
-                            break
-                        now = time.monotonic()
-                        for event in result.get("events") or []:
-                            kv = event.get("kv", {})
-                            start = max(start, int(kv.get("mod_revision", 0)) + 1)
-                            if event.get("type", "PUT") == "PUT":
-                                on_put(_unb64(kv["key"]).decode(errors="replace")[len(self.prefix):],
-                                       _unb64(kv.get("value", "")), now)
-            except (requests.RequestException, ValueError) as exc:
-                if isinstance(exc, requests.exceptions.ReadTimeout) or (
-                        "timed out" in str(exc).lower()
-                        and not isinstance(exc, requests.exceptions.ConnectTimeout)):
-                    continue  # quiet for ``idle``: reopen from ``start`` (and look at ``stop``)
-                self._idx = (self._idx + 1) % len(self.endpoints)
-                raise StoreUnavailableError(f"etcd watch on {url} failed: {exc}") from exc
+            for result in self._watch_stream(body, idle):  # ends when quiet for ``idle``: reopened from ``start``
+                if stop.is_set():
+                    return
+                if result.get("canceled") or int(result.get("compact_revision", 0) or 0):
+                    start = None  # compacted past ``start``: go on from the present
+                    break
+                now = time.monotonic()
+                for event in result.get("events") or []:
+                    kv = event.get("kv", {})
+                    start = max(start, int(kv.get("mod_revision", 0)) + 1)
+                    if event.get("type", "PUT") == "PUT":
+                        on_put(_unb64(kv["key"]).decode(errors="replace")[len(self.prefix):],
+                               _unb64(kv.get("value", "")), now)
 
     def close(self) -> None:
         for c in self._clients.values():

@@ -7,8 +7,8 @@ Its record carries its ProcessGroup's reconfigure handle, which is what a
 configuration lists (in rank order) and what :meth:`Member.apply` hands to
 ``ftc10d.reconfigure``.
 
-Three background threads, each on its own store connection so that none can
-delay another:
+Three background threads (:mod:`ftc10d.membership.background`), each on its own
+store connection so that none can delay another:
 
 - **beat**: writes the heartbeat counter every ``heartbeat_interval`` (and
   renews the etcd lease). A gap longer than half the timeout (this process was
@@ -29,32 +29,31 @@ attached ProcessGroup is aborted, so nothing of the old configuration can go on
 ``Fenced``). A member that was frozen past the timeout and resumes finds out
 on its next operation: the gap made it suspect itself, so that operation asks
 the store first. It can only take part again as a new member (``rejoin()``).
+
+How attached ProcessGroups follow the configurations (``sync``, ``apply``, the aborts)
+is :mod:`ftc10d.membership.binding`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
 import time
-from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 from ftc10d.membership.agreement import (
-    KEY_START,
     Agreement,
     Configuration,
     MemberInfo,
-    Outcome,
     Status,
-    cfg_key,
     hb_key,
     local_identity,
     mem_key,
     new_member_id,
 )
-from ftc10d.membership.detector import LapseDetector
+from ftc10d.membership.background import MemberThreads
+from ftc10d.membership.binding import GroupBinding
 from ftc10d.membership.local import NodeLink
 from ftc10d.membership.records import Signer
 from ftc10d.membership.store import MembershipStore
@@ -64,12 +63,7 @@ from ftc10d.types import (
     InvalidOptionError,
     MembershipError,
     MembershipTimeoutError,
-    PeerFailureError,
-    ReconfigureAbandonedError,
-    ReconfigureConnectError,
-    ReconfigureTimeoutError,
     StoreUnavailableError,
-    UuidReusedError,
 )
 
 logger = logging.getLogger("ftc10d")
@@ -78,27 +72,7 @@ _SUCCESS = ErrorType.SUCCESS
 #: ``merge(stored or None, body) -> new body``: how :meth:`Member.merge_fact` combines a fact.
 Merge = Callable[[Optional[dict[str, Any]], dict[str, Any]], dict[str, Any]]
 
-#: How long the watch thread waits for the next configuration before looking around
-#: (its own state may have changed: a re-form, a close).
-WAIT_SLICE = 5.0
-
-#: A member that misses this many rendezvous in a row of the newest configuration while
-#: it still heartbeats is removed ("no-show"): its process lives, but the thread that
-#: should reconfigure its group does not come (hung in user code, or in a library bug),
-#: and without this the others would renew the same membership forever.
-NO_SHOW_LIMIT = 2
-
-
-def ring_successors(cfg: Configuration, member_id: str, k: int) -> list[str]:
-    """The ``k`` members after ``member_id`` in ``cfg``'s order (wrapping): whom it watches."""
-    if member_id not in cfg.members or k <= 0:
-        return []
-    i = cfg.members.index(member_id)
-    n = cfg.size
-    return [cfg.members[(i + j) % n] for j in range(1, min(k, n - 1) + 1)]
-
-
-class Member:
+class Member(GroupBinding, MemberThreads):
     """A participant in the membership of a job.
 
     Args:
@@ -439,276 +413,7 @@ class Member:
                 return False
         return self._join_seq is not None and cfg.joins_upto >= self._join_seq
 
-    # ============================================================ ProcessGroup
-
-    def attach(self, pg: Any) -> "Member":
-        """Connect ``pg`` to this member: a ``PeerFailureError`` naming a peer is reported
-        at once (data-path detection), and when this member adopts a configuration that
-        drops a member of ``pg``'s current one (or fences this member), ``pg`` is aborted
-        so that ops stuck on the removed member fail now instead of at their timeout;
-        the caller then calls :meth:`sync` (which raises ``Fenced`` if it was removed)."""
-        pg.add_error_listener(lambda err: self._on_pg_error(pg, err))
-        self._pgs.append(pg)
-        return self
-
-    @contextlib.contextmanager
-    def recovering(self, pg: Any, cfg: Configuration) -> Iterator[None]:
-        """While the caller runs its recovery's collectives on ``pg`` in ``cfg`` (just
-        moved there by :meth:`sync`), any newer configuration aborts ``pg``, even one that only
-        adds members.
-
-        Why: outside a recovery a join does not abort a running step (its peers are all
-        in it and finish it, then move on together). But a peer that adopted a newer
-        configuration before it finished connecting ``cfg`` goes straight to the newer
-        one and never issues ``cfg``'s recovery collectives, while a peer whose connect
-        completed waits in them for a partner who will not come (chaos finding 35:
-        15 s, until fenced). Aborted, it gets a ``CollectiveError`` and syncs again."""
-        with self._cv:
-            self._recovering = (pg, cfg)
-            cur = self._current
-            newer = cur is not None and cur.incarnation == cfg.incarnation and cur.epoch > cfg.epoch
-        try:
-            if newer:
-                self._abort_recovering(pg, cfg, cur)
-            yield
-        finally:
-            with self._cv:
-                self._recovering = None
-
-    def _abort_recovering(self, pg: Any, old: Configuration, new: Optional[Configuration]) -> None:
-        if pg.uuid != old.uuid or pg.get_error() != _SUCCESS:
-            return  # already moved on or aborted
-        logger.info("membership: %s aborts %r mid-recovery in %s: it holds %s, which its peers may have "
-                    "gone to without finishing that one's recovery", self.id, pg, old, new)
-        pg.abort()
-
-    def _abort_stale(self, cfg: Optional[Configuration]) -> None:
-        """Abort attached groups whose live configuration lost a member (or all of them:
-        ``cfg`` None, once fenced or when the store lost its state), and a group still
-        recovering in an older configuration (:meth:`recovering`). Never called with the
-        member's condition held."""
-        recovering = self._recovering
-        if recovering is not None and cfg is not None and cfg.incarnation == recovering[1].incarnation \
-                and cfg.epoch > recovering[1].epoch:
-            try:
-                self._abort_recovering(recovering[0], recovering[1], cfg)
-            except Exception:
-                logger.warning("membership: could not abort %r", recovering[0], exc_info=True)
-        applying = self._applying
-        if applying is not None and (cfg is None or applying[1].epoch < cfg.epoch):
-            # sync() waits in the rendezvous of an older configuration, maybe for members that
-            # went straight to this one: give it up now rather than at its timeout.
-            logger.info("membership: %s gives up the rendezvous of %s", self.id, applying[1])
-            abandon = getattr(applying[0], "abandon_reconfigure", None)
-            if abandon is not None:  # also if its rendezvous has not begun yet (finding 16)
-                abandon(applying[1].uuid, f"member {self.id} adopted a newer configuration")
-            applying[0].abort()
-        for pg in list(self._pgs):
-            try:
-                gen = pg.generation
-                if gen is None or pg.get_error() != _SUCCESS:
-                    continue
-                if cfg is None or any(h not in cfg.handles for h in gen.handles):
-                    logger.info("membership: %s aborts %r: %s", self.id, pg,
-                                "its configuration is void" if cfg is None else f"{cfg} dropped a member")
-                    pg.abort()
-            except Exception:
-                logger.warning("membership: could not abort %r", pg, exc_info=True)
-
-    def _on_pg_error(self, pg: Any, err: Exception) -> None:
-        """Runs on the failing op's thread, before its configuration is aborted: only enqueue."""
-        if self._closed or self._fenced is not None or not isinstance(err, PeerFailureError) or err.peer is None:
-            return
-        gen = pg.generation
-        if gen is None or gen.uuid != err.uuid or not 0 <= err.peer < len(gen.handles):
-            return
-        handle = gen.handles[err.peer]
-        if handle != self.handle:
-            self._reports.put((handle, "peer-error"))
-
-    def report(self, handle: str, reason: str = "peer-error") -> None:
-        """Suspect the member behind ``handle`` (asynchronous; proposed by the detect thread at once)."""
-        self._reports.put((handle, reason))
-
-    def report_exit(self, handle: str) -> Optional[Configuration]:
-        """A supervisor saw the process behind ``handle`` exit: remove it now (confirmed)."""
-        self.check()
-        with self._api_lock:
-            out = self._agreement.report_exit(handle)
-        if out.config is not None:
-            self._adopt(out.config)
-        return out.config
-
-    def apply(self, pg: Any, config: Optional[Configuration] = None, *,
-              timeout: Optional[float] = None) -> Configuration:
-        """Reconfigure ``pg`` to ``config`` (default: the newest held): ``ftc10d.reconfigure``
-        with its uuid and ordered handles. A no-op if ``pg`` is already on it."""
-        import ftc10d
-
-        self.check()
-        cfg = config if config is not None else self._current
-        if cfg is None:
-            raise MembershipError(f"member {self.id} holds no configuration yet; wait_next() first")
-        if pg.uuid == cfg.uuid:
-            return cfg
-        with self._cv:
-            cur = self._current
-            if cur is not None and cur.incarnation == cfg.incarnation and cur.epoch > cfg.epoch:
-                raise ReconfigureAbandonedError(f"{cfg} was superseded by epoch {cur.epoch} before its rendezvous; "
-                                                "apply the newest configuration")
-            self._applying = (pg, cfg)
-        try:
-            ftc10d.reconfigure(cfg.uuid, list(cfg.handles), group=pg,
-                               timeout=None if timeout is None else timedelta(seconds=timeout))
-        finally:
-            with self._cv:
-                self._applying = None
-        return cfg
-
-    def sync(self, pg: Any, timeout: Optional[float] = None) -> Configuration:
-        """Bring ``pg`` onto the newest configuration and return it: the one call to make
-        at start and after any ``CollectiveError``.
-
-        Waits for admission if needed; applies the newest configuration; if ``pg`` is
-        already on it but that configuration was aborted, waits briefly for the change
-        that is surely coming (a removal) and otherwise asks for a fresh epoch with the
-        same members; if a rendezvous fails (a member died before arriving: its uuid is
-        burned), asks for a fresh epoch too. Raises ``Fenced`` or ``MembershipTimeoutError``.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-
-        def left(cap: Optional[float] = None) -> Optional[float]:
-            rest = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return cap if rest is None else rest if cap is None else min(cap, rest)
-
-        if self._current is None:
-            self.wait_next(0, left())
-        failed: Optional[BaseException] = None  # the last rendezvous that failed
-        while True:
-            self.check()
-            cfg = self._current
-            assert cfg is not None
-            if failed is not None and deadline is not None and time.monotonic() >= deadline:
-                # Without this, a spent deadline gave each retry a 1-ms rendezvous that failed and
-                # renewed the configuration: dozens of epochs a second, until the others came.
-                raise MembershipTimeoutError(
-                    f"member {self.id}: could not bring its group onto the newest configuration ({cfg}) within "
-                    f"{timeout:g} s: {failed}. The others are probably not there yet: call sync() again with "
-                    "a longer timeout (at least rendezvous_timeout)", status=self.status())
-            if pg.uuid == cfg.uuid:
-                if pg.get_error() == _SUCCESS:
-                    return cfg
-                try:  # aborted: the removal that caused it is normally agreed within a timeout
-                    self.wait_next(cfg.epoch, left(2 * self.heartbeat_timeout))
-                    continue
-                except MembershipTimeoutError:
-                    self._renew(cfg, "its configuration was aborted and no change followed")
-                    self.wait_next(cfg.epoch, left())
-                    continue
-            wait = left(self.rendezvous_timeout)
-            try:
-                applied = self.apply(pg, cfg, timeout=max(wait or 0.0, 0.001))
-                self._no_shows = {}
-                return applied
-            except ReconfigureAbandonedError as exc:
-                # A newer configuration superseded cfg (adopted here, or by a member that went
-                # straight to it and gave cfg's rendezvous up): it is in the store already.
-                logger.info("membership: %s gave up %s: %s", self.id, cfg, exc)
-                failed = exc
-                self._renew(cfg, f"the rendezvous of epoch {cfg.epoch} was given up")
-                self.wait_next(cfg.epoch, left())
-            except (ReconfigureTimeoutError, ReconfigureConnectError, UuidReusedError) as exc:
-                logger.warning("membership: %s could not connect %s (%s)", self.id, cfg, exc)
-                failed = exc
-                # a rendezvous cut short by this call's own deadline proves nobody a no-show
-                full = wait is None or wait >= self.rendezvous_timeout
-                no_shows = self._count_no_shows(cfg, getattr(exc, "missing_handles", ())) if full else {}
-                self._renew(cfg, f"the rendezvous of epoch {cfg.epoch} failed", no_shows)
-                self.wait_next(cfg.epoch, left())
-
-    def _count_no_shows(self, cfg: Configuration, missing: tuple[str, ...]) -> dict[str, str]:
-        """Members that missed ``NO_SHOW_LIMIT`` rendezvous in a row, to be removed.
-
-        Only a rendezvous of the newest configuration counts: a member missing from an
-        older one has usually gone straight to the newer one (not a failure)."""
-        cur = self._current
-        if cur is None or cur.epoch != cfg.epoch:
-            return {}
-        ids = {h: m for m, h in zip(cfg.members, cfg.handles) if m != self.id}
-        self._no_shows = {ids[h]: self._no_shows.get(ids[h], 0) + 1 for h in missing if h in ids}
-        out = {m: "no-show" for m, n in self._no_shows.items() if n >= NO_SHOW_LIMIT}
-        for m in out:
-            logger.warning("membership: %s: member %s missed %d rendezvous in a row while it heartbeats (a hung "
-                           "training thread?); proposing its removal", self.id, m, self._no_shows[m])
-        return out
-
-    def _renew(self, cfg: Configuration, why: str, remove: Optional[dict[str, str]] = None) -> None:
-        """Ask for a configuration after ``cfg`` (same members, fresh uuid; without ``remove``) unless one exists."""
-        with self._api_lock:
-            try:
-                out = self._agreement.propose(remove, reason=f"{self.id}: {why}", renew_after=cfg.epoch)
-            except StoreUnavailableError:
-                return
-        if out.config is not None:
-            self._adopt(out.config)
-
-    # ================================================================= closing
-
-    def close(self, leave: bool = False) -> None:
-        """Stop the threads. With ``leave`` (and still a member) propose our own removal
-        first, so that the others need not wait for the heartbeat timeout."""
-        if self._closed:
-            return
-        if leave and self._fenced is None and self._current is not None:
-            try:
-                with self._api_lock:
-                    self._agreement.propose({self.id: "left"}, reason=f"{self.id} left")
-            except Exception:
-                logger.warning("membership: %s could not announce its leave", self.id, exc_info=True)
-        self._closed = True
-        self._stop.set()
-        with self._cv:
-            self._cv.notify_all()
-        self._pgs.clear()
-        for t in self._threads:
-            # Every thread stops within one interval (the watch thread's wait for the next configuration
-            # looks at _stop every poll; on etcd it may sit out its watch, up to WAIT_SLICE: not waited for).
-            # Joined, so that none is inside a store call when the interpreter exits: a daemon thread that
-            # returns from C++ during finalization aborts the process ("terminate called without an
-            # active exception"), e.g. after the coordinator closed under its reconnect attempts.
-            if t is not threading.current_thread() and (not t.name.endswith("watch") or self._store.kind == "tcp"):
-                t.join(2.0)
-        try:
-            self._store.revoke()
-        except Exception:
-            logger.debug("lease revoke failed", exc_info=True)
-        if self._link is not None:
-            self._link.close()
-
-    def __enter__(self) -> "Member":
-        return self.join()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    # ================================================================= threads
-
-    def _guard(self, fn: Any) -> None:
-        try:
-            fn()
-        except Exception:
-            logger.exception("membership: %s thread of %s died", threading.current_thread().name, self.id)
-
-    def _running(self) -> bool:
-        return not self._stop.is_set() and self._fenced is None
-
-    def _reachable(self) -> None:
-        self._unreachable_since = None
-
-    def _unreachable(self, exc: BaseException) -> None:
-        if self._unreachable_since is None:
-            self._unreachable_since = time.monotonic()
-            logger.warning("membership: %s cannot reach the store: %s", self.id, exc)
+    # ============================================================ store state
 
     def _check_incarnation(self, ag: Agreement) -> None:
         """After a reconnect: if the store lost its state (new incarnation), rejoin it
@@ -731,234 +436,46 @@ class Member:
             for name, (body, merge) in list(self._merged.items()):
                 _merge_into(ag.store, self._signer, f"fact/{name}", body, merge)
 
-    def _beat_loop(self) -> None:
-        if self._link is not None:
-            if self._link.broken is None:
-                self._local_beat_loop(self._link)
-            if self._running():
-                # Our liveness is our node's heartbeat, which only the agent writes: without it this
-                # member is as good as gone (the node's ranks are removed with it, or this one alone).
-                logger.error("membership: %s lost its node agent (%s); it heartbeats no more", self.id,
-                             self._link.broken)
+
+    # ================================================================= closing
+
+    def close(self, leave: bool = False) -> None:
+        """Stop the threads. With ``leave`` (and still a member) propose our own removal
+        first, so that the others need not wait for the heartbeat timeout."""
+        if self._closed:
             return
-        store = self._store.clone()
-        ag = self._new_agreement(store)
-        conn = store.connection_epoch
-        next_t = time.monotonic()
-        prev_ok = time.monotonic()
-        last_keepalive = 0.0
-        key = hb_key(self.id)
-        while self._running():
-            now = time.monotonic()
-            if now - prev_ok > self.heartbeat_timeout / 2:
-                self._suspect_self = True  # we were frozen or cut off: verify before the next op
-                self._beat_gap_at = now
+        if leave and self._fenced is None and self._current is not None:
             try:
-                self._beats += 1
-                store.put(key, self._signer.encode_beat(key, self._beats), leased=True)
-                if now - last_keepalive > self.heartbeat_interval * 2:
-                    store.keepalive()
-                    last_keepalive = now
-                if store.lease_lost:
-                    self._publish_record_only(store)
-                if store.connection_epoch != conn:
-                    conn = store.connection_epoch
-                    self._check_incarnation(ag)
-                prev_ok = self._last_beat_ok = time.monotonic()
-                self._reachable()
-            except StoreUnavailableError as exc:
-                self._unreachable(exc)
+                with self._api_lock:
+                    self._agreement.propose({self.id: "left"}, reason=f"{self.id} left")
             except Exception:
-                logger.warning("membership: heartbeat of %s failed", self.id, exc_info=True)
-            next_t += self.heartbeat_interval
-            delay = next_t - time.monotonic()
-            if delay < -self.heartbeat_interval:
-                next_t = time.monotonic()  # fell behind: no burst of catch-up beats
-            elif delay > 0:
-                self._stop.wait(delay)
-        store.close()
+                logger.warning("membership: %s could not announce its leave", self.id, exc_info=True)
+        self._closed = True
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        self._pgs.clear()
+        for t in self._threads:
+            # Every thread stops within one interval (the watch thread's wait for the next configuration
+            # looks at _stop every poll; on etcd it may sit out its watch, up to background.WAIT_SLICE: not waited for).
+            # Joined, so that none is inside a store call when the interpreter exits: a daemon thread that
+            # returns from C++ during finalization aborts the process ("terminate called without an
+            # active exception"), e.g. after the coordinator closed under its reconnect attempts.
+            if t is not threading.current_thread() and (not t.name.endswith("watch") or self._store.kind == "tcp"):
+                t.join(2.0)
+        try:
+            self._store.revoke()
+        except Exception:
+            logger.debug("lease revoke failed", exc_info=True)
+        if self._link is not None:
+            self._link.close()
 
-    def _local_beat_loop(self, link: NodeLink) -> None:
-        """Beat to the node agent; an answer says it (and its store heartbeat) is alive. A gap
-        in our own beats (we were frozen) makes us suspect ourselves, as with the store."""
-        next_t = time.monotonic()
-        prev_ok = time.monotonic()
-        while self._running() and link.broken is None:
-            now = time.monotonic()
-            if now - prev_ok > self.heartbeat_timeout / 2:
-                self._suspect_self = True
-                self._beat_gap_at = now
-            self._beats += 1
-            ok = link.beat(self._beats, self.id, timeout=self.heartbeat_interval)
-            if ok:
-                prev_ok = self._last_beat_ok = time.monotonic()
-                self._reachable()
-            elif ok is False:
-                self._unreachable(StoreUnavailableError("the node agent cannot reach the store"))
-            next_t += self.heartbeat_interval
-            delay = next_t - time.monotonic()
-            if delay < -self.heartbeat_interval:
-                next_t = time.monotonic()
-            elif delay > 0:
-                self._stop.wait(delay)
+    def __enter__(self) -> "Member":
+        return self.join()
 
-    def _publish_record_only(self, store: MembershipStore) -> None:
-        """The lease expired under us (etcd) and a new one was granted: put our member
-        record back on it. If we were removed meanwhile, verification fences us."""
-        self._suspect_self = True
-        body = MemberInfo(id=self.id, handle=self.handle).to_body()
-        store.put(mem_key(self.id), self._signer.encode(mem_key(self.id), body), leased=True)
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
-    def _healthy(self, now: float) -> bool:
-        """Whether our own heartbeats have flowed for a full timeout: only then do we judge
-        others' silence (a store outage or our own freeze silences everyone alike)."""
-        return (now - self._last_beat_ok < self.heartbeat_timeout / 2
-                and now - self._beat_gap_at > self.heartbeat_timeout)
-
-    def _detect_loop(self) -> None:
-        store = self._store.clone()
-        ag = self._new_agreement(store)
-        detector = LapseDetector(self._signer, self.heartbeat_timeout)
-        conn = store.connection_epoch
-        last_attempt = 0.0
-        last_blocked_set: Optional[frozenset[str]] = None
-        suspects: dict[str, str] = {}  # our own suspicions about members of `suspects_epoch`
-        suspects_epoch = -1
-        next_t = time.monotonic()
-        while self._running():
-            reports: list[tuple[str, str]] = []
-            try:
-                reports.append(self._reports.get(timeout=max(0.0, next_t - time.monotonic())))
-                while True:
-                    reports.append(self._reports.get_nowait())
-            except queue.Empty:
-                pass
-            if not self._running():
-                break
-            now = time.monotonic()
-            if now >= next_t:
-                # Without a ring to read (a node agent watches for us) only reports wake us: they come
-                # through the queue at once; the tick is left for retries of a blocked proposal.
-                next_t = max(next_t + (self.watch_interval if self.watchers > 0 else self.heartbeat_interval), now)
-            try:
-                if store.connection_epoch != conn:
-                    conn = store.connection_epoch
-                    self._check_incarnation(ag)
-                cur = self._current
-                if cur is None or self._reform is not None:
-                    if now - last_attempt >= self.heartbeat_interval:
-                        last_attempt = now
-                        force = self._reform is not None and now - self._reform_since > self.rejoin_grace
-                        out = ag.propose(reason="formed by " + self.id, reform=self._reform, force_first=force)
-                        self._note(out)
-                    continue
-                if cur.epoch != suspects_epoch:
-                    suspects, suspects_epoch = {}, cur.epoch
-                fresh: dict[str, str] = {}
-                for handle, why in reports:
-                    for m, h in zip(cur.members, cur.handles):
-                        if h == handle and m != self.id and m not in suspects:
-                            fresh[m] = why
-                if self.watchers > 0:
-                    ids = ring_successors(cur, self.id, self.watchers)
-                    if ids:
-                        raws = store.get_many([hb_key(m) for m in ids])
-                        t = time.monotonic()
-                        for m in detector.observe(ids, raws, t, healthy=self._healthy(t)):
-                            if m not in suspects:
-                                fresh.setdefault(m, "heartbeat")
-                self._reachable()
-                suspects.update(fresh)
-                retry = self._blocked is not None and suspects and now - last_attempt >= self.heartbeat_timeout
-                if not fresh and not retry:
-                    continue
-                key = frozenset(suspects)
-                if not fresh and key == last_blocked_set and now - last_attempt < self.heartbeat_interval:
-                    continue
-                last_attempt = now
-                why = ", ".join(f"{m}: {w}" for m, w in sorted(suspects.items()))
-                out = ag.propose(dict(suspects), reason=f"{self.id} saw {why}")
-                last_blocked_set = key if out.blocked else None
-                self._note(out)
-            except StoreUnavailableError as exc:
-                self._unreachable(exc)
-                self._stop.wait(self.heartbeat_interval)
-            except Exception:
-                logger.warning("membership: detector of %s failed", self.id, exc_info=True)
-                self._stop.wait(self.heartbeat_interval)
-        store.close()
-
-    def _note(self, out: Outcome) -> None:
-        if out.blocked and out.blocked != self._blocked:
-            logger.warning("membership: %s: %s", self.id, out.blocked)
-        self._blocked = out.blocked
-        if out.config is not None:
-            self._adopt(out.config)
-
-    def _watch_loop(self) -> None:
-        store = self._store.clone()
-        ag = self._new_agreement(store)
-        conn = store.connection_epoch
-        link = self._link
-        incs = link.incs if link is not None else 0
-        while self._running():
-            try:
-                if link is not None and link.broken is not None and link.broken != "closed":
-                    logger.warning("membership: %s watches the store itself from now on", self.id)
-                    link = None
-                if store.connection_epoch != conn:
-                    conn = store.connection_epoch
-                    self._check_incarnation(ag)
-                cur = self._current
-                if cur is not None and cur.incarnation == self._inc and self._reform is None:
-                    ag.remember(cur)  # the base of the next record if that is a delta
-                    if link is not None:
-                        got, raw = link.wait_config(cur.epoch + 1, incs, WAIT_SLICE, self._stop)
-                        if got == "inc":
-                            incs = link.incs
-                            self._check_incarnation(ag)
-                            continue
-                        if got == "later":
-                            raw = store.get(cfg_key(cur.epoch + 1))
-                        elif got != "cfg":
-                            continue
-                    else:
-                        raw = store.wait_for(cfg_key(cur.epoch + 1), WAIT_SLICE, self._stop)
-                        self._reachable()
-                    if raw is None or not self._running():
-                        continue
-                    nxt = ag.read_config(cur.epoch + 1, raw=raw)
-                    if nxt is None:
-                        self._stop.wait(self.heartbeat_interval)  # a bad record: wait for a proposer to replace it
-                        continue
-                    if not self._adopt(nxt) and link is not None and nxt.incarnation != self._inc:
-                        # Pushed from a store that lost its state before the agent's word of it came:
-                        # look at the incarnation now rather than take the same record again and again.
-                        self._check_incarnation(ag)
-                        self._stop.wait(self.heartbeat_interval)
-                    continue
-                # Joining or re-forming: look for the newest configuration of this incarnation.
-                latest = ag.latest()
-                self._reachable()
-                if latest is not None and self._adopt(latest):
-                    continue
-                if link is not None:
-                    # The agent pushes every new configuration: wake on the next one, then read the chain.
-                    top = max(link.top(), latest.epoch if latest is not None else 0)
-                    got, _ = link.wait_config(top + 1, incs, min(WAIT_SLICE, self.heartbeat_timeout), self._stop)
-                    if got == "inc":
-                        incs = link.incs
-                        self._check_incarnation(ag)
-                    continue
-                key = cfg_key(latest.epoch + 1) if latest is not None else KEY_START
-                store.wait_for(key, min(WAIT_SLICE, self.heartbeat_timeout), self._stop)
-            except StoreUnavailableError as exc:
-                self._unreachable(exc)
-                self._stop.wait(self.heartbeat_interval)
-            except Exception:
-                logger.warning("membership: watcher of %s failed", self.id, exc_info=True)
-                self._stop.wait(self.heartbeat_interval)
-        store.close()
 
 
 def _merge_into(store: MembershipStore, signer: Signer, key: str, body: dict[str, Any], merge: Merge) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import time
 from typing import Any, Callable, Optional
 
 from ftc10d.membership.configuration import Configuration, hb_key
-from ftc10d.membership.detector import LapseDetector
+from ftc10d.membership.detector import BeatInbox, LapseDetector
 from ftc10d.membership.records import Signer
 from ftc10d.membership.store import MembershipStore
 from ftc10d.types import StoreUnavailableError
@@ -66,8 +66,7 @@ class BeatMonitor:
         self._timeout = timeout
         self._thread_init = thread_init
         self.detector = LapseDetector(signer, timeout)
-        self._pending: dict[str, tuple[bytes, float]] = {}
-        self._lock = threading.Lock()
+        self._pending = BeatInbox(_MAX_PENDING)
         self._on = threading.Event()  # streaming wanted
         self._off = threading.Event()  # stop the stream now (role lost, or closing)
         self._closed = False
@@ -99,8 +98,7 @@ class BeatMonitor:
         self._off.set()
         self.detector = LapseDetector(self.detector.signer, self._timeout)
         self._next_read = 0.0
-        with self._lock:
-            self._pending.clear()
+        self._pending.clear()
 
     def close(self) -> None:
         self._closed = True
@@ -120,10 +118,7 @@ class BeatMonitor:
             units = [u for u in cur.unit_list if u != me]
             self._units = (cur, units, frozenset(units))
         units, known = self._units[1], self._units[2]
-        with self._lock:
-            pending, self._pending = self._pending, {}
-        for unit, (raw, when) in pending.items():
-            self.detector.saw(unit, raw, when)  # first: a streamed beat arrived before this read
+        self._pending.drain_into(self.detector)  # first: a streamed beat arrived before this read
         if now >= self._next_read:
             self._next_read = now + self._timeout / 4
             values = self._store_read(store)
@@ -137,9 +132,7 @@ class BeatMonitor:
 
     def _on_put(self, key: str, raw: bytes, when: float) -> None:
         unit = key[len("hb/"):] if key.startswith("hb/") else key
-        with self._lock:
-            if len(self._pending) < _MAX_PENDING or unit in self._pending:
-                self._pending[unit] = (raw, when)  # the newest beat, at its own arrival
+        self._pending.put(unit, raw, when)  # the newest beat, at its own arrival
         self.streamed += 1
 
     def _run(self) -> None:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch.distributed as dist
 
 from ftc10d.membership.agreement import Agreement, Configuration, cfg_key, hb_key
-from ftc10d.membership.detector import JUDGE_TICK_S, LapseDetector
+from ftc10d.membership.detector import JUDGE_TICK_S, BeatInbox, LapseDetector
 from ftc10d.membership.records import Signer
 from ftc10d.membership.store import MembershipStore, count_request, requests_made  # noqa: F401 (re-exported)
 from ftc10d.types import InvalidOptionError, StoreUnavailableError
@@ -306,8 +306,7 @@ class Coordinator:
             raise InvalidOptionError(
                 f"watch_interval={self.watch_interval:g} s must be positive and under half the heartbeat "
                 f"timeout ({heartbeat_timeout:g} s); the default is timeout / 40")
-        self._beats: dict[str, tuple[bytes, float]] = {}  # node -> its newest streamed beat, arrival
-        self._beats_lock = threading.Lock()
+        self._beats = BeatInbox()  # each node's newest streamed beat, with its arrival
         self.require_majority = require_majority
         self._master: Optional[dist.TCPStore] = None
         self._stop = threading.Event()
@@ -378,15 +377,7 @@ class Coordinator:
     # --------------------------------------------------------------- detector
 
     def _on_beat(self, node: str, raw: bytes, when: float) -> None:
-        with self._beats_lock:
-            if len(self._beats) < 1 << 20:  # bounded: names come from the network
-                self._beats[node] = (raw, when)
-
-    def _take_beats(self, detector: LapseDetector) -> None:
-        with self._beats_lock:
-            beats, self._beats = self._beats, {}
-        for node, (raw, when) in beats.items():
-            detector.saw(node, raw, when)
+        self._beats.put(node, raw, when)
 
     def _detect_loop(self) -> None:
         agreement = self.agreement()
@@ -411,7 +402,7 @@ class Coordinator:
                         units = list(cur.units)
                         unit_ids = (cur, units, [hb_key(u) for u in units])
                     units = unit_ids[1]
-                    self._take_beats(detector)  # first: a streamed beat arrived before this read
+                    self._beats.drain_into(detector)  # first: a streamed beat arrived before this read
                     if time.monotonic() >= next_read:
                         next_read = time.monotonic() + self.watch_interval
                         raws = store.get_many(unit_ids[2])
