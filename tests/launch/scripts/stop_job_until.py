@@ -7,6 +7,10 @@ from pathlib import Path
 
 out, launches = Path(sys.argv[1]), int(sys.argv[2])
 launch_id = os.environ["FTC10D_LAUNCH_ID"]
-(out / f"{launch_id}.{os.environ['RANK']}").write_text(os.environ.get("FTC10D_RESTART_COUNT", ""))
-seen = {p.name.split(".")[0] for p in out.iterdir()}
+# Written whole (a temporary file renamed): the launcher stops this worker as soon as the other
+# one exits 86, and a kill between the file's creation and its write left it empty (a test flake).
+name = f"{launch_id}.{os.environ['RANK']}"
+(out / f".{name}.tmp").write_text(os.environ.get("FTC10D_RESTART_COUNT", ""))
+os.replace(out / f".{name}.tmp", out / name)
+seen = {p.name.split(".")[0] for p in out.iterdir() if not p.name.startswith(".")}
 sys.exit(0 if len(seen) >= launches else 86)
