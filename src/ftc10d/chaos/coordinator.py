@@ -39,6 +39,8 @@ class CoordinatorProcess:
         self.heartbeat_timeout = heartbeat_timeout
         self.env = env
         self.proc: Optional[subprocess.Popen] = None
+        #: Stopped by :meth:`freeze` (the ``store_stop`` fault) and not continued yet.
+        self.frozen = False
         self._standby: Optional[subprocess.Popen] = None
         self.pids: set[int] = set()
 
@@ -78,23 +80,31 @@ class CoordinatorProcess:
     def kill(self) -> None:
         """SIGKILL the running coordinator (its state is lost with it)."""
         self.proc = _killpg(self.proc)
+        self.frozen = False
 
-    def freeze(self) -> int:
-        """SIGSTOP the running coordinator (its state stays; its clients' calls block). Returns its pid."""
-        assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGSTOP)
+    def freeze(self) -> Optional[int]:
+        """SIGSTOP the running coordinator (its state stays; its clients' calls block). Returns
+        its pid, or None if none is running (a ``store`` fault's downtime)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None
+        try:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return None
+        self.frozen = True
         return self.proc.pid
 
     def thaw(self) -> None:
-        """SIGCONT what :meth:`freeze` stopped."""
-        if self.proc is not None:
+        """SIGCONT what :meth:`freeze` stopped (a no-op otherwise)."""
+        if self.frozen and self.proc is not None:
             try:
                 os.killpg(self.proc.pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
+        self.frozen = False
 
     def close(self) -> None:
-        self.thaw()  # a stopped process in the group would not die of SIGKILL any later
+        self.thaw()
         self.kill()
         self._standby = _killpg(self._standby)
 

@@ -266,7 +266,10 @@ class Trial:
             self._at(now + (f.duration or 1.0), lambda: self._restart_store(inj))
         elif f.kind == "store_stop":
             assert self.coord is not None
-            inj.pids = [self.coord.freeze()]
+            pid = self.coord.freeze()
+            if pid is None:
+                return False  # the store is down (a store fault's restart is due): next tick again
+            inj.pids = [pid]
             self._at(now + (f.duration or 1.0), lambda: self._thaw_store(inj))
         elif f.kind == "etcd":
             assert self.etcd is not None
@@ -307,6 +310,8 @@ class Trial:
         job's hook waits for this key); False if the store is unreachable (next tick again)."""
         import torch.distributed as dist
 
+        if self.coord is not None and self.coord.frozen:
+            return False  # a store_stop in progress: its thaw must not wait on this (next tick again)
         op = "vote" if inj.fault.kind == "die_vote" else "after_vote"
         host, _, port = self.launchers[0].coordinator_address.rpartition(":")
         try:
@@ -464,6 +469,8 @@ class Trial:
                     rc = max(codes)  # type: ignore[type-var]
                     break
                 time.sleep(TICK_S)
+            if self.coord is not None:
+                self.coord.thaw()  # a store_stop cut short by the end of the trial: the chain is read from it
             chain = self._read_chain()
             if self.etcd is not None:
                 try:  # the restarted member must be back in the cluster (a trial's last fault may be recent)
@@ -475,6 +482,8 @@ class Trial:
             violations.append(f"the trial could not run: {type(exc).__name__}: {exc}")
         finally:
             self.t_close = time.time()
+            if self.coord is not None:
+                self.coord.thaw()  # before anything below talks to the store
             for pid in list(self.stopped):
                 self._cont(pid)
             for host in list(self.net.cut_hosts):

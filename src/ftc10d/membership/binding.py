@@ -95,7 +95,10 @@ class GroupBinding:
             newer = cur is not None and cur.incarnation == cfg.incarnation and cur.epoch > cfg.epoch
         try:
             if newer:
-                self._abort_recovering(pg, cfg, cur)
+                try:
+                    self._abort_recovering(pg, cfg, cur)
+                except Exception:
+                    logger.warning("membership: could not abort %r", pg, exc_info=True)
             yield
         finally:
             with self._cv:

@@ -62,6 +62,10 @@ def _range_end(prefix: str) -> str:
     return _b64(bytes(raw))
 
 
+#: A decoded watch event: (type, key, value, mod_revision).
+_Event = tuple[str, bytes, bytes, int]
+
+
 def _parse_endpoint(ep: str) -> tuple[str, int, str]:
     proto = "http"
     if "://" in ep:
@@ -339,25 +343,30 @@ class EtcdMembershipStore(MembershipStore):
     def _watch_once(self, key: str, start_revision: int, timeout: float) -> Optional[bytes]:
         """One watch stream from ``start_revision``: the first put of ``key``, or None."""
         body = {"create_request": {"key": _b64(self._k(key)), "start_revision": start_revision}}
-        for result in self._watch_stream(body, max(timeout, 0.01)):
-            for event in result.get("events") or []:
-                if event.get("type", "PUT") == "PUT":
-                    return _unb64(event["kv"].get("value", ""))
+        for _, events in self._watch_stream(body, max(timeout, 0.01)):
+            for kind, _key, value, _rev in events:
+                if kind == "PUT":
+                    return value
         return None
 
-    def _watch_stream(self, body: dict[str, Any], quiet: float) -> Iterator[dict[str, Any]]:
+    def _watch_stream(self, body: dict[str, Any], quiet: float) -> Iterator[tuple[dict[str, Any], list[_Event]]]:
         """Open one watch stream (``body``: its create request) and yield each message's
-        ``result`` (``{}`` for a keep-alive line, so that the caller can look at its stop
-        flag); it ends without error once nothing came for ``quiet`` seconds. Raises
-        :class:`StoreUnavailableError` (and moves to the next endpoint) if the watch fails."""
+        ``result`` with its events decoded, ``(type, key, value, mod_revision)`` (``{}`` and no
+        events for a keep-alive line, so that the caller can look at its stop flag); it ends
+        without error once nothing came for ``quiet`` seconds. Raises
+        :class:`StoreUnavailableError` (and moves to the next endpoint) if the watch fails or
+        sends what does not decode."""
         host, port, proto = _parse_endpoint(self.endpoints[self._idx])
         url = f"{proto}://{host}:{port}/v3/watch"
         count_request()  # a watch stream opened
         try:
             with requests.post(url, json=body, stream=True, timeout=(self.timeout, quiet)) as resp:
                 for line in resp.iter_lines():
-                    yield json.loads(line).get("result", {}) if line.strip() else {}
-        except (requests.RequestException, ValueError) as exc:
+                    result = json.loads(line).get("result", {}) if line.strip() else {}
+                    events = [(e.get("type", "PUT"), _unb64(e["kv"].get("key", "")), _unb64(e["kv"].get("value", "")),
+                               int(e["kv"].get("mod_revision", 0))) for e in result.get("events") or []]
+                    yield result, events
+        except (requests.RequestException, ValueError, KeyError, TypeError, AttributeError) as exc:
             if isinstance(exc, requests.exceptions.ReadTimeout) or (
                     "timed out" in str(exc).lower() and not isinstance(exc, requests.exceptions.ConnectTimeout)):
                 return  # quiet: a streamed read timing out surfaces as a ConnectionError too
@@ -387,19 +396,17 @@ class EtcdMembershipStore(MembershipStore):
                 head = self._post("/kv/range", {"key": _b64(p), "range_end": _range_end(p), "count_only": True})
                 start = int(head.get("header", {}).get("revision", 0)) + 1
             body = {"create_request": {"key": _b64(p), "range_end": _range_end(p), "start_revision": start}}
-            for result in self._watch_stream(body, idle):  # ends when quiet for ``idle``: reopened from ``start``
+            for result, events in self._watch_stream(body, idle):  # ends when quiet for ``idle``: reopened
                 if stop.is_set():
                     return
                 if result.get("canceled") or int(result.get("compact_revision", 0) or 0):
                     start = None  # compacted past ``start``: go on from the present
                     break
                 now = time.monotonic()
-                for event in result.get("events") or []:
-                    kv = event.get("kv", {})
-                    start = max(start, int(kv.get("mod_revision", 0)) + 1)
-                    if event.get("type", "PUT") == "PUT":
-                        on_put(_unb64(kv["key"]).decode(errors="replace")[len(self.prefix):],
-                               _unb64(kv.get("value", "")), now)
+                for kind, k, value, rev in events:
+                    start = max(start, rev + 1)
+                    if kind == "PUT":
+                        on_put(k.decode(errors="replace")[len(self.prefix):], value, now)
 
     def close(self) -> None:
         for c in self._clients.values():

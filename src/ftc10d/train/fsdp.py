@@ -96,6 +96,8 @@ class HSDPGroups:
         self.participants = ProcessGroup(dist.PrefixStore(f"{PREFIX}/participants", store), 0, layout.world_size,
                                          timeout=timeout, enable_reconfigure=True, backend=control_backend(backend))
         self.uuid: Optional[int] = None
+        #: The configuration configure() is moving the groups to, while it does.
+        self._moving: Optional[int] = None
         #: The placement of the configuration the groups were last moved to.
         self.placement: Optional[Placement] = None
         self._mesh: Any = None
@@ -150,11 +152,24 @@ class HSDPGroups:
         self._wait([f"{key}/{s}" for s in everyone], uuid, world)
         handles = dict(zip(everyone, (v.decode().split(" ") for v in self._store.multi_get(
             [f"{key}/{s}" for s in everyone]))))
-        reconfigure(uuid, [handles[s][0] for s in mates], group=self.shard)  # by shard index: rank = index
-        reconfigure(uuid, [handles[s][1] for s in peers], group=self.replicate)  # by replica
-        reconfigure(uuid, [handles[s][2] for s in everyone], group=self.participants)  # by (replica, index)
+        self._moving = uuid  # abort() gives these rendezvous up, also one not begun yet
+        try:
+            for group, members in ((self.shard, mates), (self.replicate, peers), (self.participants, everyone)):
+                self._check_world(world, uuid)  # aborted between two of them: a peer left, it will not come
+                column = 0 if group is self.shard else 1 if group is self.replicate else 2
+                reconfigure(uuid, [handles[s][column] for s in members], group=group)
+        finally:
+            self._moving = None
         self.uuid, self.placement = uuid, placement
         return True
+
+    @staticmethod
+    def _check_world(world: Optional[ProcessGroup], uuid: int) -> None:
+        gen = world.generation if world is not None else None
+        if gen is not None and (gen.aborted or gen.uuid != uuid):
+            raise ProcessGroupAborted(
+                f"FT-HSDP: configuration {uuid} was aborted while its ranks moved their sub-groups "
+                "(a member left or died meanwhile, or a newer configuration came)", op="hsdp_configure", uuid=uuid)
 
     def _wait(self, keys: list[str], uuid: int, world: Optional[ProcessGroup]) -> None:
         """The store wait of :meth:`configure`, in slices: given up when ``world`` is aborted."""
@@ -164,11 +179,7 @@ class HSDPGroups:
                 self._store.wait(keys, _SLICE)
                 return
             except (RuntimeError, dist.DistError):  # the slice's timeout (DistStoreError)
-                gen = world.generation if world is not None else None
-                if gen is not None and (gen.aborted or gen.uuid != uuid):
-                    raise ProcessGroupAborted(
-                        f"FT-HSDP: configuration {uuid} was aborted while its ranks exchanged their sub-group handles "
-                        "(a member left or died meanwhile)", op="hsdp_configure", uuid=uuid) from None
+                self._check_world(world, uuid)
                 if time.monotonic() > deadline:
                     raise ReconfigureTimeoutError(
                         f"FT-HSDP: the ranks of configuration {uuid} did not all publish their sub-group handles "
@@ -202,8 +213,12 @@ class HSDPGroups:
         give up a rendezvous one of them waits in: :meth:`configure` moves them one after
         the other, and a peer that left the world's configuration half-way (aborted before
         its own ``configure``) never comes to it; without this, the rank waits out the
-        groups' timeout there."""
+        groups' timeout there. A rendezvous of the move under way that has not begun yet is
+        given up too (``abandon_reconfigure``): it would wait for the same peer."""
+        moving = self._moving
         for pg in (self.shard, self.replicate, self.participants):
+            if moving is not None:
+                pg.abandon_reconfigure(moving, "FT-HSDP: the world's configuration was aborted")
             gen = pg.generation
             if pg.reconfiguring or (gen is not None and not gen.aborted):
                 pg.abort()

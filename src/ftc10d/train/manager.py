@@ -101,11 +101,15 @@ from ftc10d.types import (
     Fenced,
     InvalidOptionError,
     ReconfigureAbandonedError,
+    ReconfigureConnectError,
+    ReconfigureTimeoutError,
     ReplicaDivergenceError,
     StoreUnavailableError,
 )
 
 logger = logging.getLogger("ftc10d")
+#: FT-HSDP's sub-groups could not follow the world's reconfigure: a recovery to start over.
+_SUBGROUP_MOVE_ERRORS = (ReconfigureAbandonedError, ReconfigureTimeoutError, ReconfigureConnectError)
 
 Listener = Callable[[str, dict[str, Any]], None]
 
@@ -663,9 +667,12 @@ class Manager:
             except Fenced as exc:
                 self._on_fenced(exc)
                 continue
-            except (CollectiveError, ReconfigureAbandonedError) as exc:
-                # ReconfigureAbandonedError: FT-HSDP's sub-groups were mid-rendezvous when the world aborted
+            except (CollectiveError, *_SUBGROUP_MOVE_ERRORS) as exc:
+                # Reconfigure*: FT-HSDP's sub-groups could not move with the world (given up when it aborted,
+                # or a peer never came): their uuid is spent, so the world must move on too (sync renews it)
                 logger.warning("manager: recovery interrupted (%s); waiting for the next configuration", exc)
+                if not isinstance(exc, CollectiveError) and self.pg.get_error() == ErrorType.SUCCESS:
+                    self.pg.abort()
                 continue
             except StoreUnavailableError as exc:  # the job's progress could not be read: sync again
                 logger.warning("manager: recovery interrupted (%s); retrying", exc)
