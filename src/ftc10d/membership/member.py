@@ -243,6 +243,7 @@ class Member(GroupBinding, MemberThreads):
         ``min_members``, no majority, store unreachable...) after ``timeout``.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        cur: Optional[Configuration] = None
         with self._cv:
             while True:
                 if self._fenced is not None:
@@ -254,11 +255,16 @@ class Member(GroupBinding, MemberThreads):
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    status = self.status(refresh=True)
-                    raise MembershipTimeoutError(
-                        f"member {self.id}: no configuration after epoch {after_epoch} within {timeout:g} s; "
-                        f"status: {status}", status=status)
+                    cur = None
+                    break
                 self._cv.wait(0.5 if left is None else min(left, 0.5))
+        if cur is None:
+            # the status outside the condition: it takes the API lock, which _verify holds while it
+            # adopts (taking the condition): holding both the other way round could deadlock
+            status = self.status(refresh=True)
+            raise MembershipTimeoutError(
+                f"member {self.id}: no configuration after epoch {after_epoch} within {timeout:g} s; "
+                f"status: {status}", status=status)
         self.check()
         return cur
 
