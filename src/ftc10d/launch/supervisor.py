@@ -314,9 +314,8 @@ class Launcher:
     def _connect(self) -> None:
         """Host the coordinator here, or connect to the one given; the Agreement through
         which exits are reported uses the job's token, like the workers' records."""
-        import torch.distributed as dist
-
         from ftc10d.membership import Agreement, Coordinator, TCPMembershipStore
+        from ftc10d.membership.connect import connect_client
         from ftc10d.membership.records import Signer
 
         cfg = self.config
@@ -336,8 +335,7 @@ class Launcher:
             host, port = parse_address(cfg.coordinator)
             self._address = cfg.coordinator
             self._agreement = Agreement(TCPMembershipStore(host, port), Signer(token))
-            self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                        timeout=timedelta(seconds=30))
+            self._store = connect_client(host, port, timedelta(seconds=30))
             logger.info("launcher %s: using coordinator %s", self._launch_id, cfg.coordinator)
         if etcd:
             self._membership_prefix = self._agree_prefix()

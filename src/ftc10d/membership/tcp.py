@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch.distributed as dist
 
 from ftc10d.membership.agreement import Agreement, Configuration, cfg_key, hb_key
+from ftc10d.membership.connect import connect_client, skip_reverse_dns
 from ftc10d.membership.detector import JUDGE_TICK_S, BeatInbox, LapseDetector
 from ftc10d.membership.records import Signer
 from ftc10d.membership.store import MembershipStore, count_request, requests_made  # noqa: F401 (re-exported)
@@ -118,15 +119,13 @@ class TCPMembershipStore(MembershipStore):
     def _new_client(self, limit: float) -> dist.TCPStore:
         deadline = time.monotonic() + limit
         while True:
-            # Attempts, retried: torch's client resolves the peer's name on every connect, and on
-            # this kind of machine about one lookup in 25 stalls for 5 s (the resolver's poll,
-            # whatever the timeout given) while the next attempt takes a millisecond. Attempts
-            # are serialized per process: many threads connecting at once fail far more often.
+            # Attempts, retried until the deadline, serialized per process (many threads
+            # connecting at once fail far more often). ``connect_client`` first turns torch's
+            # reverse DNS lookups off (``connect.py``: one in about 25 stalled 5 s here).
             attempt = min(CONNECT_ATTEMPT_S, max(deadline - time.monotonic(), 0.05))
             try:
                 with _CONNECT_LOCK:
-                    client = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
-                                           timeout=timedelta(seconds=attempt))
+                    client = connect_client(self.host, self.port, timedelta(seconds=attempt))
                 break
             except Exception as exc:
                 if time.monotonic() >= deadline:
@@ -318,6 +317,7 @@ class Coordinator:
         _raise_fd_limit()
         sock = listen_socket(self.host, self._port)
         self._port = sock.getsockname()[1]
+        skip_reverse_dns()  # else one lost PTR query stalls the server's event loop 5 s (connect.py)
         self._master = dist.TCPStore(
             self.host, self._port, is_master=True, wait_for_workers=False,
             timeout=timedelta(seconds=60), master_listen_fd=sock.detach(),
@@ -447,7 +447,9 @@ class ReconnectingTCPStore(dist.Store):
         self._client = self._connect()
 
     def _connect(self) -> dist.TCPStore:
-        return dist.TCPStore(self._host, self._port, is_master=False, wait_for_workers=False, timeout=self._timeout)
+        # After a store restart every rank reconnects here, and the next rendezvous waits for
+        # the slowest of them: no reverse DNS lookup (``connect.py``, finding 37).
+        return connect_client(self._host, self._port, self._timeout)
 
     def clone(self) -> "ReconnectingTCPStore":
         """A second connection to the same store (a thread blocked in ``wait`` holds this one)."""
