@@ -518,6 +518,7 @@ class NodeAgent(LocalChannel):
         suspects: dict[str, str] = {}
         suspects_epoch = -1
         last_attempt = 0.0
+        last_blocked: Optional[str] = None
         last_ring = 0.0
         view: tuple[Optional[Configuration], tuple[str, ...], list[str]] = (None, (), [])
         monitor = self._monitor
@@ -581,8 +582,9 @@ class NodeAgent(LocalChannel):
                 self.proposals += 1
                 why = ", ".join(f"{m}: {w}" for m, w in sorted(suspects.items()))
                 out = ag.propose(dict(suspects), reason=f"node {self.id} saw {why}")
-                if out.blocked:
+                if out.blocked and out.blocked != last_blocked:  # once, not every attempt
                     logger.warning("membership: node agent %s: %s", self.id, out.blocked)
+                last_blocked = out.blocked
                 if out.config is not None and out.config.epoch > cur.epoch:
                     raw = store.get(cfg_key(out.config.epoch))
                     self._take(out.config, raw)

@@ -390,6 +390,7 @@ class Coordinator:
         tick = min(self.watch_interval, JUDGE_TICK_S) if self._notifier is not None else self.watch_interval
         next_tick = next_read = time.monotonic()
         proposed: tuple[frozenset[str], float] = (frozenset(), 0.0)
+        last_blocked: Optional[str] = None
         while not self._stop.is_set():
             next_tick += tick
             try:
@@ -417,8 +418,9 @@ class Coordinator:
                         self.detections += 1
                         out = agreement.propose({m: "heartbeat" for u in lapsed for m in cur.units.get(u, ())},
                                                 reason="coordinator: heartbeat lapsed")
-                        if out.blocked:
+                        if out.blocked and out.blocked != last_blocked:  # once, not every pass
                             logger.warning("membership coordinator: %s", out.blocked)
+                        last_blocked = out.blocked
                         cur = out.config
                         self.latest = cur
             except Exception:
