@@ -40,7 +40,9 @@ def test_delta_round_trip_removes_and_appends_in_order() -> None:
     assert got is not None
     assert got.members == nxt.members and got.handles == nxt.handles
     assert got.full_epoch == prev.full_epoch
-    assert got.digest == nxt.digest
+    # The delta's digest is chained from its base's (O(change) to check), the list the same.
+    assert got.digest == body["digest"] != prev.digest
+    assert got.list_digest == nxt.list_digest
     assert got.rank_of("h-n1.0001") == N - 1  # appended after the N - 2 survivors
     assert got.handle_of("n0.0004") == "h-n0.0004" and got.handle_of("n0.0003") is None
 
@@ -76,6 +78,17 @@ def test_bad_deltas_are_refused() -> None:
     # A base with different members: the digest does not reproduce.
     moved = _cfg(5, list(reversed(prev.members)))
     assert Configuration.from_body(good, 6, moved) is None
+    # A base with the same list but another history (its digest chained differently).
+    rechained = Configuration(epoch=5, uuid=prev.uuid, handles=prev.handles, members=prev.members,
+                              incarnation="inc", chain_digest="0" * 32)
+    assert Configuration.from_body(good, 6, rechained) is None
+    assert Configuration.from_body(variant(digest="0" * 32), 6, prev) is None
+    assert Configuration.from_body(variant(digest=None), 6, prev) is None
+    # A full record's list digest is checked; its chain, if any, must be a string.
+    full = _cfg(6, list(prev.members[1:])).to_body()
+    assert Configuration.from_body(full, 6) is not None
+    assert Configuration.from_body({**full, "digest": "0" * 32}, 6) is None
+    assert Configuration.from_body({**full, "chain": 7}, 6) is None
 
 
 def test_a_removed_members_handle_may_be_reused() -> None:
@@ -294,3 +307,30 @@ def test_a_32768_rank_first_configuration_is_read_back_from_a_real_store() -> No
         assert raw is not None and raw[:1] == b"z" and len(raw) < 800_000, len(raw or b"")
         got = Agreement(co.membership_store(), Signer("t")).read_config(1)
         assert got is not None and got.members == cfg.members and got.handles == cfg.handles
+
+
+def test_units_derived_from_the_base_equal_the_units_computed_from_the_list() -> None:
+    """A delta's configuration takes its heartbeat units from its base's (O(units)); they
+    must be exactly what the whole list gives, in the same order, for any change."""
+    import random
+
+    rng = random.Random(7)
+    ids = [f"n{i // 4:03d}.{i:04d}" for i in range(4 * 40)]
+    rng.shuffle(ids)  # a node's members are not contiguous
+    prev = _cfg(1, ids)
+    prev.units  # computed, as an agent's current configuration has them
+    fresh = 0
+    for epoch in range(2, 60):
+        members = list(prev.members)
+        for m in rng.sample(members, rng.randint(0, 6)):
+            members.remove(m)
+        members += [f"n{rng.randint(0, 60):03d}.{1000 + epoch * 10 + k:04d}" for k in range(rng.randint(0, 5))]
+        nxt = _cfg(epoch, members)
+        got = Configuration.from_body(json.loads(json.dumps(nxt.to_body(prev))), epoch, prev)
+        assert got is not None and got.members == nxt.members
+        derived = "units" in got.__dict__
+        fresh += not derived
+        expected = Configuration(epoch=epoch, uuid=1, handles=got.handles, members=got.members, incarnation="inc")
+        assert got.units == expected.units and list(got.units) == list(expected.units), epoch
+        prev = got
+    assert fresh < 58  # most were derived

@@ -368,8 +368,10 @@ class Agreement:
         delta = (prev is not None and prev.epoch == cfg.epoch - 1 and prev.incarnation == cfg.incarnation
                  and cfg.size > FULL_LIMIT)
         snap = delta and prev is not None and cfg.epoch - prev.full_epoch >= FULL_EVERY
-        cfg = replace(cfg, full_epoch=prev.full_epoch if delta and not snap and prev is not None else cfg.epoch)
-        value = self.signer.encode(key, cfg.to_body(prev if delta else None, snapshot=snap))
+        body = cfg.to_body(prev if delta else None, snapshot=snap)
+        cfg = replace(cfg, full_epoch=prev.full_epoch if delta and not snap and prev is not None else cfg.epoch,
+                      chain_digest=body["digest"] if delta else None)
+        value = self.signer.encode(key, body)
         for _ in range(4):
             ok, now = self.store.create(key, value)
             if ok:

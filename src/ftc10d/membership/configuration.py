@@ -11,6 +11,8 @@ is agreed is :mod:`ftc10d.membership.agreement`'s concern.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import json
 import secrets
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -86,6 +88,9 @@ class Configuration:
     reason: str = ""
     #: Epoch of the last full record in this configuration's chain (deltas in between).
     full_epoch: int = field(default=0, compare=False)
+    #: Set for a configuration written or read as a delta: its :attr:`digest` is then
+    #: chained from its base's (:func:`chain_digest`), not computed from the whole list.
+    chain_digest: Optional[str] = field(default=None, compare=False, repr=False)
 
     @property
     def size(self) -> int:
@@ -112,7 +117,7 @@ class Configuration:
     @cached_property
     def position(self) -> dict[str, int]:
         """Member id -> its index (its rank)."""
-        return {m: i for i, m in enumerate(self.members)}
+        return dict(zip(self.members, range(len(self.members))))
 
     @cached_property
     def member_set(self) -> frozenset[str]:
@@ -146,10 +151,19 @@ class Configuration:
         return tuple(self.units)
 
     @cached_property
-    def digest(self) -> str:
-        """Names the ordered member list: a delta record is checked against it."""
-        text = "\n".join(map("{} {}".format, self.members, self.handles))
+    def list_digest(self) -> str:
+        """A digest of the whole ordered member list (what a full record is checked against)."""
+        text = "\n".join(map(" ".join, zip(self.members, self.handles)))
         return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    @property
+    def digest(self) -> str:
+        """Names the ordered member list. For a full record, the list's own digest; for a
+        delta, chained from the base's digest and the change (:func:`chain_digest`): two
+        readers that hold the same digest hold the same list, and a delta applied to another
+        base does not reproduce it. Chained because the list's digest costs O(ranks) (~15 ms
+        at 32,768 ranks, paid by every node for every change), the chain O(change)."""
+        return self.chain_digest if self.chain_digest is not None else self.list_digest
 
     def to_body(self, prev: Optional["Configuration"] = None, snapshot: bool = False) -> dict[str, Any]:
         """The record of this configuration: the full member list, or, for a big one whose
@@ -159,7 +173,7 @@ class Configuration:
         body: dict[str, Any] = {
             "kind": "config", "epoch": self.epoch, "uuid": self.uuid, "inc": self.incarnation,
             "joins": self.joins_upto, "min": self.min_members, "reason": self.reason,
-            "size": self.size, "digest": self.digest,
+            "size": self.size,
         }
         delta = (prev is not None and prev.epoch == self.epoch - 1 and prev.incarnation == self.incarnation
                  and self.size > FULL_LIMIT)
@@ -172,8 +186,12 @@ class Configuration:
             body["base"] = prev.epoch
             body["removed"] = [m for m in prev.members if m not in keep]
             body["added"] = [[m, h] for m, h in zip(self.members, self.handles) if m not in old]
+            body["digest"] = chain_digest(prev.digest, body["removed"], body["added"])
         else:
             body["members"] = [[m, h] for m, h in zip(self.members, self.handles)]
+            body["digest"] = self.list_digest
+            if self.chain_digest is not None:  # a full copy of a delta: its readers chain on from it
+                body["chain"] = self.chain_digest
         return body
 
     @classmethod
@@ -203,6 +221,9 @@ class Configuration:
                     return None
                 ids = tuple(m for m, _ in members)
                 handles = tuple(h for _, h in members)
+                chain = body.get("chain")
+                if chain is not None and not isinstance(chain, str):
+                    return None
             else:
                 if prev is None or body.get("base") != prev.epoch or prev.epoch != epoch - 1 \
                         or prev.incarnation != body["inc"]:
@@ -224,13 +245,12 @@ class Configuration:
                         or any(m in pos and m not in gone for m in new_ids)
                         or any(h in prev.handle_set and h not in gone_handles for h in new_handles)):
                     return None
-                if gone:
-                    ids = tuple(m for m in prev.members if m not in gone) + tuple(new_ids)
-                    handles = tuple(h for h in prev.handles if h not in gone_handles) + tuple(new_handles)
-                else:
-                    ids = prev.members + tuple(new_ids)
-                    handles = prev.handles + tuple(new_handles)
+                ids = _without(prev.members, sorted(pos[m] for m in gone)) + tuple(new_ids)
+                handles = _without(prev.handles, sorted(pos[m] for m in gone)) + tuple(new_handles)
                 full_epoch = epoch if body.get("snap") is True else prev.full_epoch
+                chain = chain_digest(prev.digest, removed, added)
+                if body.get("digest") != chain:
+                    return None  # applied to another base than its writer's
         except (KeyError, TypeError):
             return None
         cfg = cls(
@@ -243,13 +263,66 @@ class Configuration:
             min_members=body.get("min", 1),
             reason=str(body.get("reason", ""))[:500],
             full_epoch=full_epoch,
+            chain_digest=chain,
         )
-        if "digest" in body and body["digest"] != cfg.digest:
+        if "members" in body and "digest" in body and body["digest"] != cfg.list_digest:
             return None
+        if prev is not None and "members" not in body:
+            units = _units_after(prev, gone, new_ids)
+            if units is not None:
+                cfg.__dict__["units"] = units  # seeds the cached property: O(units), not O(ranks)
         return cfg
 
     def __str__(self) -> str:
         return f"epoch {self.epoch} (uuid {self.uuid}, {self.size} member(s))"
+
+
+def chain_digest(base_digest: str, removed: list[str], added: list[list[str]]) -> str:
+    """The digest of the configuration a delta record makes of a base whose digest is
+    ``base_digest``: ``removed`` and ``added`` as the record lists them."""
+    change = json.dumps([removed, added], separators=(",", ":"))
+    return hashlib.sha256(f"{base_digest}\n{change}".encode()).hexdigest()[:32]
+
+
+def _units_after(prev: Configuration, gone: set[str], added: list[str]) -> Optional[dict[str, tuple[str, ...]]]:
+    """``units`` of the configuration a delta makes of ``prev`` (which has its ``units``
+    computed), derived from them: the survivors keep their order, new members are appended.
+    None where the order of the units could change (a unit that lost its first member but
+    kept others: it is now ordered by a later member), or ``prev``'s were not computed."""
+    before = prev.__dict__.get("units")
+    if before is None:
+        return None
+    units = dict(before)
+    for u in {m.partition(".")[0] for m in gone}:
+        ms = units.get(u)
+        if ms is None:
+            return None
+        kept = tuple(m for m in ms if m not in gone)
+        if kept and kept[0] != ms[0]:
+            return None
+        if kept:
+            units[u] = kept
+        else:
+            del units[u]
+    for m in added:
+        u = m.partition(".")[0]
+        ms = units.get(u)
+        units[u] = (m,) if ms is None else ms + (m,)
+    return units
+
+
+def _without(items: tuple[str, ...], drop: list[int]) -> tuple[str, ...]:
+    """``items`` without the (sorted) indices ``drop``, by slices: a few removals from a
+    32,768-tuple copy it in C instead of testing every element in Python."""
+    if not drop:
+        return items
+    parts: list[tuple[str, ...]] = []
+    start = 0
+    for i in drop:
+        parts.append(items[start:i])
+        start = i + 1
+    parts.append(items[start:])
+    return tuple(itertools.chain.from_iterable(parts))
 
 
 @dataclass(frozen=True)
