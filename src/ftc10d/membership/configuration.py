@@ -2,10 +2,12 @@
 
 A :class:`Configuration` is ``(epoch, uuid, ordered members)``, each member a
 ``(member id, reconfigure handle)`` pair whose position is its rank. Its record
-is the full member list, or for a big configuration only what changed since its
-predecessor (:meth:`Configuration.to_body`), checked by the digest of the whole
-ordered list after it is applied (:meth:`Configuration.from_body`). How the chain
-is agreed is :mod:`ftc10d.membership.agreement`'s concern.
+is the full member list, checked by the digest of the whole ordered list, or for a
+big configuration only what changed since its predecessor (:meth:`Configuration.to_body`),
+checked by a digest chained from the predecessor's (:func:`chain_digest`): a reader
+applies a change in time proportional to the change, not to the job
+(:meth:`Configuration.from_body`). How the chain is agreed is
+:mod:`ftc10d.membership.agreement`'s concern.
 """
 
 from __future__ import annotations
