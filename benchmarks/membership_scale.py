@@ -724,8 +724,12 @@ def _peak_rss_mb(pid: int) -> Optional[float]:
 
 
 def _decode_cost(store: Any, signer: Any, epoch: int) -> float:
-    """Median ms to verify the record of ``epoch`` and apply it to its predecessor, as one node
-    does it (no shared decode)."""
+    """Median ms to verify the record of ``epoch``, apply it to its predecessor and derive
+    what a node derives from it (its heartbeat units, its member index), as one node does it
+    (no shared decode). The node holds its predecessor as an agent holds its current one,
+    with those already derived."""
+    from dataclasses import replace
+
     from ftc10d.membership import Agreement
     from ftc10d.membership.agreement import Configuration, cfg_key
 
@@ -734,11 +738,13 @@ def _decode_cost(store: Any, signer: Any, epoch: int) -> float:
     raw = store.get(cfg_key(epoch))
     times = []
     for _ in range(5):
-        fresh = Configuration(epoch=base.epoch, uuid=base.uuid, handles=base.handles, members=base.members,
-                              incarnation=base.incarnation, full_epoch=base.full_epoch)  # no cached index
+        held = replace(base)  # its own derived values, not the shared object's
+        held.units, held.position, held.digest
         t = time.perf_counter()
         body = signer.decode(cfg_key(epoch), raw)
-        cfg = Configuration.from_body(body, epoch, fresh) if body is not None else None
+        cfg = Configuration.from_body(body, epoch, held) if body is not None else None
+        if cfg is not None:
+            cfg.units, cfg.unit_order, cfg.position
         times.append((time.perf_counter() - t) * 1e3)
         if cfg is None:
             raise RuntimeError(f"record {epoch} did not apply to its base")

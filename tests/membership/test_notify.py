@@ -68,12 +68,14 @@ def test_a_big_first_configuration_is_pushed_to_every_agent_paced_and_not_read_f
             # The next configuration (a small delta) follows the big one, in order, pushed too.
             second = Configuration(epoch=2, uuid=12, handles=tuple(handles[1:]), members=tuple(ids[1:]),
                                    incarnation=first.incarnation, full_epoch=1)
-            ok, _ = writer._install(second, first)
-            assert ok
+            ok, installed = writer._install(second, first)
+            assert ok and installed is not None
             deadline = time.monotonic() + 30
             while any(a.current.epoch < 2 for a in agents) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            assert all(a.current.digest == second.digest for a in agents)
+            # The delta's digest is chained from the first's; the list is the same as written.
+            assert all(a.current.digest == installed.digest for a in agents)
+            assert all(a.current.list_digest == second.list_digest for a in agents)
             assert CountingStore.reads == [], CountingStore.reads
         finally:
             for a in agents:
