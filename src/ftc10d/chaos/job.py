@@ -54,6 +54,7 @@ import torch.nn.parallel  # noqa: F401
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+from ftc10d.membership.connect import connect_client
 from ftc10d.chaos.guard import Guards
 from ftc10d.launch import EXIT_STOP_JOB
 from ftc10d.train import ManagedOptimizer, Manager, init_from_env
@@ -171,8 +172,7 @@ class Control:
             try:
                 if self._store is None:
                     host, _, port = os.environ["FTC10D_COORDINATOR"].rpartition(":")
-                    self._store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
-                                                timeout=timedelta(seconds=5))
+                    self._store = connect_client(host.strip("[]"), int(port), timedelta(seconds=5))
                 return fn(self._store)
             except Exception:
                 self._store = None

@@ -308,14 +308,14 @@ class Trial:
     def _arm(self, inj: Injected) -> bool:
         """``--mesh``: let the worker armed with ``inj`` (die_vote / die_after_vote) die now (the
         job's hook waits for this key); False if the store is unreachable (next tick again)."""
-        import torch.distributed as dist
+        from ftc10d.membership.connect import connect_client
 
         if self.coord is not None and self.coord.frozen:
             return False  # a store_stop in progress: its thaw must not wait on this (next tick again)
         op = "vote" if inj.fault.kind == "die_vote" else "after_vote"
         host, _, port = self.launchers[0].coordinator_address.rpartition(":")
         try:
-            store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=2))
+            store = connect_client(host.strip("[]"), int(port), timedelta(seconds=2))
             store.set(f"chaos/{self.trial_id}/armed/{op}", "1")
         except Exception:  # a store fault in progress
             return False

@@ -17,18 +17,25 @@ rest of the process ("we just disable it for the remainder of the job, logging I
 addresses instead", pytorch#159596, torch >= 2.9). :func:`skip_reverse_dns` takes it at
 once: on a throwaway thread whose resolver is told to make no attempt (glibc's per-thread
 ``_res.retry``, restored before the thread ends), it opens a store client, whose one
-lookup fails at once; from then on torch formats every address as digits, in this process.
-torch says so in one line of its own (``The hostname of the client socket cannot be
-retrieved. err=-3``). Nothing else changes: the names were only ever used in log lines.
+lookup fails at once; from then on torch makes no lookup in this process. torch says so in
+one line of its own (``The hostname of the client socket cannot be retrieved. err=-3``).
+The cost: torch's fallback formatting is wrong in the torch versions checked (2.13: it
+formats the address of its pointer argument, not the address, and the port unswapped),
+so torch's own log and error lines about store sockets (``SocketImpl(... remote=...)``,
+"connected to ...") show garbage addresses; ftc10d's messages about a store name its
+``host:port`` themselves. The names were only ever used in those lines.
 
 ftc10d calls it before the first store connection it makes in a process (the
-coordinator's server, node agents, members, each rank's group store). Set
-``FTC10D_REVERSE_DNS=1`` to keep torch's lookups. Where the C library is not glibc the
-switch is not available and torch's behaviour is unchanged.
+coordinator's server, node agents, members, the group store of ``ftc10d.train``'s
+bootstrap and of ``ftc10d.init_process_group``, the launcher). Set
+``FTC10D_REVERSE_DNS=1`` to keep torch's lookups. Where it cannot work (not glibc, or
+lookups of the address do not go to DNS through the thread's resolver: nscd,
+nss-resolve) it changes nothing and reports ``"unavailable"``.
 """
 
 from __future__ import annotations
 
+import _socket
 import ctypes
 import logging
 import os
@@ -72,6 +79,16 @@ def _trip() -> bool:
     saved = retry.value
     retry.value = 0
     try:
+        # First, the same lookup with the C library directly (``_socket``: untouched by gevent's
+        # patching): it fails only if lookups of this address go to DNS through this thread's
+        # resolver. Where they go elsewhere (nscd, nss-resolve, ``files`` only) nothing would fail
+        # in torch either: say so rather than claim the switch.
+        try:
+            _socket.getnameinfo(("::ffff:127.0.0.1", 1), _socket.NI_NUMERICSERV)
+            return False
+        except _socket.gaierror as exc:
+            if exc.errno != _socket.EAI_AGAIN:
+                return False
         # The server formats its listening address on this thread, the client the server's.
         server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                timeout=timedelta(seconds=10))
@@ -105,8 +122,11 @@ def skip_reverse_dns() -> str:
                 box["exc"] = exc
 
         thread = threading.Thread(target=run, name="ftc10d-reverse-dns-off", daemon=True)
-        thread.start()
-        thread.join()
+        try:
+            thread.start()
+            thread.join()
+        except RuntimeError as exc:  # no thread to be had: torch's lookups stay on
+            box["exc"] = exc
         if box.get("ok"):
             _state = "off"
             logger.info("torch's reverse DNS lookups of store peers are off in this process (torch's line 'The "

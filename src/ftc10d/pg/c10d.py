@@ -119,6 +119,9 @@ def init_process_group(
     if store is None:
         if init_method is None:
             init_method = "env://"
+        from ftc10d.membership.connect import skip_reverse_dns
+
+        skip_reverse_dns()  # rank 0's store server looks up every rank that connects (connect.py)
         store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
         store.set_timeout(timeout)
         store = dist.PrefixStore("default_pg", store)
