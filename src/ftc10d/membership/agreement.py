@@ -371,14 +371,16 @@ class Agreement:
         snap = delta and prev is not None and cfg.epoch - prev.full_epoch >= FULL_EVERY
         body = cfg.to_body(prev if delta else None, snapshot=snap)
         if delta:
-            # The writer holds what every reader rebuilds from the record (O(change)): a chained
-            # digest names the list only as readers apply it (survivors in order, then the added).
+            # The writer holds what every reader rebuilds from the record (O(change)), its chained
+            # digest and full epoch included: a chained digest names the list only as readers
+            # apply it (survivors in order, then the added).
             applied = Configuration.from_body(body, cfg.epoch, prev)
             if applied is None or applied.members != cfg.members or applied.handles != cfg.handles:
                 raise MembershipError(f"internal error: the delta record of {cfg} does not reproduce its member "
                                       "list; please report it")
-        cfg = replace(cfg, full_epoch=prev.full_epoch if delta and not snap and prev is not None else cfg.epoch,
-                      chain_digest=body["digest"] if delta else None)
+            cfg = applied
+        else:
+            cfg = replace(cfg, full_epoch=cfg.epoch, chain_digest=None)
         value = self.signer.encode(key, body)
         for _ in range(4):
             ok, now = self.store.create(key, value)

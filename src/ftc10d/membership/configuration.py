@@ -247,8 +247,9 @@ class Configuration:
                         or any(m in pos and m not in gone for m in new_ids)
                         or any(h in prev.handle_set and h not in gone_handles for h in new_handles)):
                     return None
-                ids = _without(prev.members, sorted(pos[m] for m in gone)) + tuple(new_ids)
-                handles = _without(prev.handles, sorted(pos[m] for m in gone)) + tuple(new_handles)
+                drop = sorted(pos[m] for m in gone)
+                ids = _without(prev.members, drop) + tuple(new_ids)
+                handles = _without(prev.handles, drop) + tuple(new_handles)
                 full_epoch = epoch if body.get("snap") is True else prev.full_epoch
                 chain = chain_digest(prev.digest, removed, added)
                 if body.get("digest") != chain:
