@@ -32,8 +32,6 @@ and detects for its workers, which reach it over a local socket
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import json
 import logging
 import os
@@ -49,12 +47,12 @@ from typing import Any, Callable, Optional
 
 from ftc10d.launch.config import LaunchConfig, parse_address
 from ftc10d.launch.env import base_env, worker_env
+from ftc10d.launch.procs import Proc, child_setup, killpg, pidfd, reap, signal_name
 from ftc10d.types import EXIT_STOP_JOB, InvalidOptionError
 
 logger = logging.getLogger("ftc10d")
 
 
-_PR_SET_PDEATHSIG = 1
 #: How long workers get to exit after SIGTERM/SIGINT before they are SIGKILLed.
 DEFAULT_GRACE_S = 5.0
 #: Spares that die before becoming ready this many times in a row are not replaced any more.
@@ -89,71 +87,12 @@ class LaunchEvent:
     detail: dict = field(default_factory=dict)
 
 
-def _libc_prctl() -> Optional[Callable[..., int]]:
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _libc_prctl()
-
-
-def _child_setup(parent: int) -> Callable[[], None]:
-    """The children's preexec: die with the launcher, lead an own process group."""
-
-    def setup() -> None:
-        os.setpgid(0, 0)
-        if _PRCTL is not None:
-            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the launcher died between fork and prctl
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return setup
-
-
-def _pidfd(pid: int) -> Optional[int]:
-    try:
-        return os.pidfd_open(pid)  # type: ignore[attr-defined]
-    except (AttributeError, OSError):
-        return None
-
-
-def _signal_name(returncode: int) -> Optional[str]:
-    if returncode >= 0:
-        return None
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
-
-
-@dataclass
-class _Proc:
-    """One child: a worker of a slot, or a spare waiting for one."""
-
-    popen: subprocess.Popen
-    pidfd: Optional[int]
-    slot: Optional[int]  # None: a spare
-    restart: int = 0
-    warm: bool = False
-    started: float = field(default_factory=time.monotonic)
-    control: Optional[int] = None  # spare: write end of its control pipe
-    ready_fd: Optional[int] = None  # spare: read end of its readiness pipe
-    ready: bool = False
-    files: list[Any] = field(default_factory=list)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-
 @dataclass
 class _Slot:
     index: int
     restarts: int = 0
     state: str = "running"  # running | done | gave_up
-    proc: Optional[_Proc] = None
+    proc: Optional[Proc] = None
 
 
 class Launcher:
@@ -179,7 +118,7 @@ class Launcher:
         self._membership_prefix: Optional[str] = None  # etcd only: the job's key prefix
         self._agent: Any = None  # the node agent (membership_unit "node")
         self._slots: list[_Slot] = []
-        self._spares: list[_Proc] = []
+        self._spares: list[Proc] = []
         self._spare_failures = 0
         self._spare_seq = 0
         self._lock = threading.RLock()
@@ -357,7 +296,7 @@ class Launcher:
         mine = f"{DEFAULT_PREFIX}{self._launch_id}/"
         return bytes(self._store.compare_set(MEMBERSHIP_PREFIX_KEY, "", mine)).decode()
 
-    def _report_exit(self, proc: _Proc) -> None:
+    def _report_exit(self, proc: Proc) -> None:
         """Name the dead worker to the membership at once (a confirmed removal)."""
         from ftc10d.train.bootstrap import handle_key
 
@@ -393,7 +332,7 @@ class Launcher:
             err = open(os.path.join(self.config.log_dir, f"{name}.err"), "ab")
             files = [out, err]
         popen = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                 pass_fds=pass_fds, preexec_fn=_child_setup(os.getpid()))
+                                 pass_fds=pass_fds, preexec_fn=child_setup(os.getpid()))
         return popen, files
 
     def _log_names(self, slot: int, restart: int) -> tuple[Optional[str], Optional[str]]:
@@ -428,7 +367,7 @@ class Launcher:
         else:
             popen, files = self._popen([cfg.python, _SPARE_FILE, "--run", cfg.script, *cfg.script_args], env,
                                        f"worker{slot.index}.{slot.restarts}")
-            proc = _Proc(popen, _pidfd(popen.pid), slot.index, slot.restarts, files=files)
+            proc = Proc(popen, pidfd(popen.pid), slot.index, slot.restarts, files=files)
         with self._lock:
             slot.proc = proc
         logger.info("launcher: slot %d: worker %d started (%s, restart %d)", slot.index, proc.pid,
@@ -438,7 +377,7 @@ class Launcher:
         else:
             self._emit("started", slot.index, proc.pid, warm=proc.warm, restart=0)
 
-    def _take_spare(self) -> Optional[_Proc]:
+    def _take_spare(self) -> Optional[Proc]:
         with self._lock:
             live = [p for p in self._spares if p.control is not None]
             if not live:
@@ -463,12 +402,12 @@ class Launcher:
         finally:
             os.close(control_r)
             os.close(ready_w)
-        proc = _Proc(popen, _pidfd(popen.pid), None, control=control_w, ready_fd=ready_r, files=files)
+        proc = Proc(popen, pidfd(popen.pid), None, control=control_w, ready_fd=ready_r, files=files)
         with self._lock:
             self._spares.append(proc)
         logger.info("launcher: spare %d starting", proc.pid)
 
-    def _retire(self, proc: _Proc) -> None:
+    def _retire(self, proc: Proc) -> None:
         """Forget a spare: close its pipes (EOF = exit 0), make sure it goes."""
         with self._lock:
             if proc in self._spares:
@@ -503,7 +442,7 @@ class Launcher:
             self._shutdown(signal.SIGTERM)
             self._finish(1)
 
-    def _all_procs(self) -> list[_Proc]:
+    def _all_procs(self) -> list[Proc]:
         with self._lock:
             return [s.proc for s in self._slots if s.proc is not None] + list(self._spares)
 
@@ -522,7 +461,7 @@ class Launcher:
                 self._finish(EXIT_STOP_JOB)
                 return
             procs = self._all_procs()
-            fds: dict[int, tuple[str, _Proc]] = {}
+            fds: dict[int, tuple[str, Proc]] = {}
             fallback = False
             for p in procs:
                 if p.pidfd is not None:
@@ -552,29 +491,13 @@ class Launcher:
             for p in procs:
                 if p.pidfd is not None and not any(fd == p.pidfd for fd, _ in ready):
                     continue
-                rc = self._reap(p, block=False)
+                rc = reap(p, block=False)
                 if rc is not None:
                     self._on_exit(p, rc)
                     if self._done.is_set():
                         return
 
-    def _reap(self, proc: _Proc, block: bool) -> Optional[int]:
-        try:
-            pid, status = os.waitpid(proc.pid, 0 if block else os.WNOHANG)
-        except ChildProcessError:
-            pid, status = proc.pid, 0
-        if pid == 0:
-            return None
-        rc = os.waitstatus_to_exitcode(status)
-        proc.popen.returncode = rc  # reaped here: Popen must not try again
-        if proc.pidfd is not None:
-            os.close(proc.pidfd)
-            proc.pidfd = None
-        for f in proc.files:
-            f.close()
-        return rc
-
-    def _on_ready(self, proc: _Proc) -> None:
+    def _on_ready(self, proc: Proc) -> None:
         assert proc.ready_fd is not None
         try:
             line = os.read(proc.ready_fd, 65536)
@@ -593,11 +516,11 @@ class Launcher:
         logger.info("launcher: spare %d ready %.2f s after its start", proc.pid, ready_s)
         self._emit("spare_ready", None, proc.pid, ready_s=ready_s)
 
-    def _on_exit(self, proc: _Proc, rc: int) -> None:
+    def _on_exit(self, proc: Proc, rc: int) -> None:
         if proc.slot is None:  # a spare
             self._retire(proc)
             logger.warning("launcher: spare %d exited (%s) before it was needed", proc.pid,
-                           _signal_name(rc) or f"code {rc}")
+                           signal_name(rc) or f"code {rc}")
             if not proc.ready:
                 self._spare_failures += 1
             if self._spare_failures >= MAX_SPARE_FAILURES:
@@ -609,14 +532,14 @@ class Launcher:
         slot = self._slots[proc.slot]
         with self._lock:
             slot.proc = None
-        self._emit("exited", slot.index, proc.pid, returncode=rc, signal=_signal_name(rc))
+        self._emit("exited", slot.index, proc.pid, returncode=rc, signal=signal_name(rc))
         self._report_exit(proc)
         if rc == 0:
             slot.state = "done"
             logger.info("launcher: slot %d: worker %d finished", slot.index, proc.pid)
         elif rc != EXIT_STOP_JOB and slot.restarts < self.config.max_restarts:
             logger.warning("launcher: slot %d: worker %d died (%s); respawning that slot only", slot.index, proc.pid,
-                           _signal_name(rc) or f"exit code {rc}")
+                           signal_name(rc) or f"exit code {rc}")
             slot.restarts += 1
             self._start_worker(slot)
             self._refill_spares()
@@ -628,7 +551,7 @@ class Launcher:
             self._shutdown(signal.SIGTERM)
             self._finish(0)
 
-    def _give_up(self, slot: _Slot, proc: _Proc, rc: int) -> None:
+    def _give_up(self, slot: _Slot, proc: Proc, rc: int) -> None:
         """End the job for a slot that cannot go on, as torchrun does: stop the other workers
         (SIGTERM, SIGKILL after the grace) and exit 1, or EXIT_STOP_JOB when the worker said
         so (e.g. ReplicaDivergenceError: a replacement would only receive a wrong state)."""
@@ -638,9 +561,9 @@ class Launcher:
                          "output): stopping the job", slot.index, proc.pid, rc)
         else:
             logger.error("launcher: slot %d gave up: its worker %d died (%s) and the slot used its %d restart(s): "
-                         "stopping the job", slot.index, proc.pid, _signal_name(rc) or f"exit code {rc}",
+                         "stopping the job", slot.index, proc.pid, signal_name(rc) or f"exit code {rc}",
                          self.config.max_restarts)
-        self._emit("gave_up", slot.index, proc.pid, restarts=slot.restarts, returncode=rc, signal=_signal_name(rc),
+        self._emit("gave_up", slot.index, proc.pid, restarts=slot.restarts, returncode=rc, signal=signal_name(rc),
                    stop_job=rc == EXIT_STOP_JOB)
         if rc == EXIT_STOP_JOB:
             self._announce_job_stop(slot.index, proc.pid)
@@ -730,40 +653,28 @@ class Launcher:
             workers = [s.proc for s in self._slots if s.proc is not None]
         for p in spares:
             self._retire(p)
-            self._killpg(p, signal.SIGKILL)
+            killpg(p, signal.SIGKILL)
         for p in workers:
-            self._killpg(p, signal.SIGCONT)  # a stopped worker would never see sig
-            self._killpg(p, sig)
+            killpg(p, signal.SIGCONT)  # a stopped worker would never see sig
+            killpg(p, sig)
         deadline = time.monotonic() + (0 if sig == signal.SIGKILL else self.grace)
         pending = list(workers)
         while pending and time.monotonic() < deadline:
-            pending = [p for p in pending if self._reap(p, block=False) is None]
+            pending = [p for p in pending if reap(p, block=False) is None]
             if pending:
                 time.sleep(0.01)
         for p in pending:
             logger.warning("launcher: worker %d did not exit within %.1f s of %s: SIGKILL", p.pid, self.grace,
                            signal.Signals(sig).name)
-            self._killpg(p, signal.SIGKILL)
+            killpg(p, signal.SIGKILL)
         for p in pending + spares:
             if p.popen.returncode is None:
-                self._reap(p, block=True)
+                reap(p, block=True)
         for p in workers:
-            self._killpg(p, signal.SIGKILL)  # anything the worker left behind in its group
+            killpg(p, signal.SIGKILL)  # anything the worker left behind in its group
         with self._lock:
             for s in self._slots:
                 s.proc = None
-
-    @staticmethod
-    def _killpg(proc: _Proc, sig: int) -> None:
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            pass
-        except OSError as exc:  # pragma: no cover - e.g. the group is gone
-            if exc.errno != errno.ESRCH:
-                raise
 
     def _finish(self, code: int) -> None:
         self._result = code

@@ -30,15 +30,8 @@ from ftc10d.pg import backend as _backend
 from ftc10d.pg import handles as _handles
 from ftc10d.pg import profiling as _profiling
 from ftc10d.pg import signature as _signature
-from ftc10d.pg.generation import (
-    Generation,
-    PendingRendezvous,
-    SideConnection,
-    bootstrap,
-    claim_uuid,
-    is_communication_failure,
-    rendezvous,
-)
+from ftc10d.pg.generation import Generation, is_communication_failure
+from ftc10d.pg.rendezvous import PendingRendezvous, SideConnection, bootstrap, claim_uuid, rendezvous
 from ftc10d.pg.hooks import HookRegistry
 from ftc10d.pg.observer import GROUP_CREATED, OpObserver
 from ftc10d.pg.work import CompletedWork, MultiWork, SwallowedWork, Work
