@@ -358,7 +358,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise RuntimeError(f"{path}: the window's data did not arrive intact")
         results[path] = both[0]
     bw, lat, verdicts = _report(results, sizes)
-    from ftc10d.window.window import copy_threads
+    from ftc10d.window._resources import copy_threads
 
     threads = args.copy_threads or copy_threads()
     print(f"window: 2 ranks, float32, median of {args.runs} blocks per figure, iteration = put+signal+ack "

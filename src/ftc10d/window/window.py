@@ -36,15 +36,12 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
-import operator
 import os
 import secrets
 import socket
 import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -73,7 +70,21 @@ from ftc10d.types import (
     make_window_attr,
 )
 from ftc10d.window import _atomics, _shm, _tcp
-from ftc10d.window.work import Executor, WindowWork
+from ftc10d.window._resources import (
+    TRANSPORT_ENV,
+    PeerHost,
+    PeerWindow,
+    Registration,
+    Resources,
+    as_index,
+    check_layout,
+    check_tensor,
+    dtype_name,
+    parallel_copy,
+    parse_dtype,
+    transport,
+)
+from ftc10d.window.work import WindowWork
 
 if TYPE_CHECKING:
     from ftc10d.pg.generation import Generation
@@ -81,10 +92,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ftc10d")
 
-#: ``auto`` (default): shared memory with peers on this host, TCP with the others.
-#: ``tcp``: TCP with every peer (tests, benchmarks, or hosts where mapping is unwanted).
-TRANSPORT_ENV = "FTC10D_WINDOW_TRANSPORT"
-TRANSPORTS = ("auto", "tcp")
 #: The abort hook every group that creates windows carries (one per group).
 ABORT_HOOK_ID = -0x46544331_30445701
 #: How long invalidation / deregistration waits for a peer's copy into our window to end.
@@ -96,12 +103,6 @@ STORE_CHECK_S = 0.5
 #: ``wait_signal`` polls this long before it sleeps: a signal already on its way
 #: is then picked up without the two context switches of a futex sleep.
 SPIN_S = 30e-6
-#: Puts of at least this many bytes into shared memory are split across copy threads.
-PARALLEL_COPY_MIN = 8 << 20
-#: Copy threads for large shared-memory puts (``FTC10D_WINDOW_COPY_THREADS`` overrides):
-#: one copy stream does not saturate a server's memory bandwidth, but on a small
-#: machine extra threads only compete with the application.
-COPY_THREADS_ENV = "FTC10D_WINDOW_COPY_THREADS"
 _RECORD_VERSION = "1"
 _U64 = 1 << 64
 
@@ -109,79 +110,6 @@ SELF, SHM, TCP = "s", "u", "t"
 
 _window_counters: "weakref.WeakKeyDictionary[Generation, itertools.count[int]]" = weakref.WeakKeyDictionary()
 _counters_lock = threading.Lock()
-
-
-def transport() -> str:
-    value = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
-    if value not in TRANSPORTS:
-        raise InvalidOptionError(f"{TRANSPORT_ENV}={value!r} is not one of {list(TRANSPORTS)}")
-    return value
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).rpartition(".")[2]
-
-
-def _parse_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
-
-
-def _check_tensor(op: str, tensor: Any, what: str = "tensor") -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        raise WindowUsageError(f"{op}: {what} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise WindowUsageError(
-            f"{op}: {what} is on {tensor.device}; ftc10d windows (Gloo) hold CPU tensors: pass tensor.cpu()"
-        )
-    return tensor
-
-
-def _index(op: str, name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise WindowUsageError(f"{op}: {name} must be an int, got bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise WindowUsageError(f"{op}: {name} must be an int, got {type(value).__name__}") from None
-
-
-# ------------------------------------------------------------------ large copies
-
-_copy_pool: Optional[ThreadPoolExecutor] = None
-_copy_pool_lock = threading.Lock()
-
-
-def copy_threads() -> int:
-    text = os.environ.get(COPY_THREADS_ENV, "")
-    if text:
-        try:
-            return max(1, int(text))
-        except ValueError:
-            raise InvalidOptionError(f"{COPY_THREADS_ENV}={text!r} is not an integer") from None
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for 1-D tensors, split across threads when large
-    (``copy_`` releases the GIL, so the chunks really run in parallel)."""
-    global _copy_pool
-    threads = copy_threads() if dst.numel() * dst.element_size() >= PARALLEL_COPY_MIN else 1
-    if threads <= 1:
-        dst.copy_(src)
-        return
-    with _copy_pool_lock:
-        if _copy_pool is None or _copy_pool._max_workers < threads - 1:  # type: ignore[attr-defined]
-            _copy_pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="ftc10d-copy")
-        pool = _copy_pool
-    bounds = [dst.numel() * i // threads for i in range(threads + 1)]
-    futures = [pool.submit(dst[bounds[i]:bounds[i + 1]].copy_, src[bounds[i]:bounds[i + 1]])
-               for i in range(1, threads)]
-    dst[: bounds[1]].copy_(src[: bounds[1]])
-    for f in futures:
-        f.result()
 
 
 # ---------------------------------------------------------------- group registry
@@ -228,8 +156,8 @@ def _track(pg: "ProcessGroup", win: "Window") -> None:
 def new_window(pg: "ProcessGroup", tensor: Optional[torch.Tensor] = None) -> "Window":
     """``ProcessGroup.new_window``: collective; every rank calls it in the same order."""
     if tensor is not None:
-        _check_tensor("new_window", tensor)
-        _check_layout("new_window", tensor)
+        check_tensor("new_window", tensor)
+        check_layout("new_window", tensor)
     force_tcp = transport() == "tcp"
     made: list[Window] = []
 
@@ -252,107 +180,7 @@ def new_window(pg: "ProcessGroup", tensor: Optional[torch.Tensor] = None) -> "Wi
     return win
 
 
-def _check_layout(op: str, tensor: torch.Tensor) -> None:
-    if not tensor.is_contiguous():
-        raise WindowUsageError(
-            f"{op}: the tensor is not contiguous; register t = tensor.contiguous() and keep using t "
-            "(a window is a flat run of elements, and peers address it by element offset)"
-        )
-
-
 # ----------------------------------------------------------------- the window
-
-
-@dataclass
-class _Peer:
-    """What the host record of one peer says (published at new_window)."""
-
-    boot: str
-    pidns: str
-    pid: int
-    block_fd: int
-    block_inode: int
-    cross_process: bool  # its atomics work across processes
-    force_tcp: bool
-
-
-@dataclass
-class _PeerWindow:
-    """One rank's registered tensor, as this rank sees it."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    numel: int
-    itemsize: int
-    view: Optional[torch.Tensor] = None  # the peer's memory, when mapped (UNIFIED)
-    flat: Optional[torch.Tensor] = None
-    mm: Any = None
-
-
-class _Registration:
-    def __init__(self, epoch: int, tensor: torch.Tensor, owning: bool, peers: list[_PeerWindow]) -> None:
-        self.epoch = epoch
-        self.peers = peers
-        self._strong = tensor if owning else None
-        self._weak = weakref.ref(tensor)
-
-    def local(self) -> Optional[torch.Tensor]:
-        return self._strong if self._strong is not None else self._weak()
-
-    def release(self) -> None:
-        for p in self.peers:
-            p.view = p.flat = None
-            mm, p.mm = p.mm, None
-            if mm is not None:
-                try:
-                    mm.close()
-                except (BufferError, ValueError):
-                    pass  # a map_remote_tensor view is still alive: unmapped when it goes
-        self._strong = None
-
-
-class _Resources:
-    """Everything a window holds that the OS must get back. Owned apart from the
-    window so that a finalizer (the window was dropped) can release it."""
-
-    def __init__(self, name: str) -> None:
-        self.own: Optional[_shm.Block] = None
-        self.peer_blocks: dict[int, _shm.Block] = {}
-        self.watches: dict[int, _shm.PidWatch] = {}
-        self.server: Optional[_tcp.Server] = None
-        self.conns: dict[int, _tcp.Connection] = {}
-        self.reg: Optional[_Registration] = None
-        self.executor = Executor(name)
-        self.released = False
-
-    def stop_io(self, aborted: bool) -> None:
-        """Stop receiving and say goodbye to TCP peers; safe to call more than once."""
-        if self.server is not None:
-            self.server.stop()
-        for conn in list(self.conns.values()):
-            conn.close(aborted)
-        self.conns.clear()
-
-    def release(self, state: int = _shm.CLOSED) -> None:
-        if self.released:
-            return
-        self.released = True
-        if self.own is not None and _atomics.load(self.own.state_addr) == _shm.VALID:
-            _atomics.store(self.own.state_addr, state)
-            self.own.wake_all()
-        self.executor.close(WindowError("the window was released"))
-        self.stop_io(aborted=state == _shm.INVALID)
-        if self.reg is not None:
-            self.reg.release()
-            self.reg = None
-        for blk in self.peer_blocks.values():
-            blk.close()
-        self.peer_blocks.clear()
-        for w in self.watches.values():
-            w.close()
-        self.watches.clear()
-        if self.own is not None:
-            self.own.close()
 
 
 class _ServerSink:
@@ -400,12 +228,12 @@ class Window:
         self._inflight = 0
         self._paths: list[str] = []
         self._paths_in: list[str] = []
-        self._peers: list[_Peer] = []
+        self._peers: list[PeerHost] = []
         self._consumed = [0] * self.size
         self._wait_locks = [threading.Lock() for _ in range(self.size)]
         self._lost: dict[int, str] = {}
         self._reg_count = 0
-        self._res = _Resources(f"ftc10d-window{self._index}")
+        self._res = Resources(f"ftc10d-window{self._index}")
         self._finalizer = weakref.finalize(self, self._res.release)
 
     # ------------------------------------------------------------- identity
@@ -497,12 +325,12 @@ class Window:
     def _uuid_wire(self) -> int:
         return -1 if self._gen.uuid is None else int(self._gen.uuid)
 
-    def _parse_peer(self, rank: int, text: str) -> _Peer:
+    def _parse_peer(self, rank: int, text: str) -> PeerHost:
         parts = text.split("|")
         try:
             if parts[0] != _RECORD_VERSION or len(parts) != 8:
                 raise ValueError("unexpected format")
-            return _Peer(parts[1], parts[2], int(parts[3]), int(parts[4]), int(parts[5]),
+            return PeerHost(parts[1], parts[2], int(parts[3]), int(parts[4]), int(parts[5]),
                          parts[6] == "1", parts[7] == "1")
         except (ValueError, IndexError):
             raise WindowError(
@@ -668,7 +496,7 @@ class Window:
     # ------------------------------------------------------------- arguments
 
     def _rank(self, op: str, name: str, value: Any) -> int:
-        q = _index(op, name, value)
+        q = as_index(op, name, value)
         if not 0 <= q < self.size:
             raise WindowRankError(
                 f"{op}: {name}={q} is not a rank of {self._where}: valid ranks are 0..{self.size - 1}. Ranks "
@@ -689,7 +517,7 @@ class Window:
             return self._timeout_s()
         return t.total_seconds()
 
-    def _registration(self, op: str) -> _Registration:
+    def _registration(self, op: str) -> Registration:
         reg = self._res.reg
         if reg is None:
             raise WindowNotRegisteredError(
@@ -731,8 +559,8 @@ class Window:
         """
         seq = next(self._seq)
         self._check_valid("tensor_register", seq)
-        _check_tensor("tensor_register", tensor)
-        _check_layout("tensor_register", tensor)
+        check_tensor("tensor_register", tensor)
+        check_layout("tensor_register", tensor)
         self._enter("tensor_register", seq)
         try:
             self._register(tensor, bool(owning), "tensor_register", seq, inline=True)
@@ -760,12 +588,12 @@ class Window:
         assert own is not None
         # Installed before any peer can learn of it: a TCP put may arrive as soon as
         # the slowest peer's exchange completes, before ours returns.
-        reg = _Registration(epoch, tensor, owning, [])
+        reg = Registration(epoch, tensor, owning, [])
         res.reg = reg
         self._reg_count = epoch
         _atomics.store(own.epoch_addr, epoch)
         record = "|".join([
-            _RECORD_VERSION, _dtype_name(tensor.dtype), ",".join(str(d) for d in tensor.shape),
+            _RECORD_VERSION, dtype_name(tensor.dtype), ",".join(str(d) for d in tensor.shape),
             str(info.fd if info else -1), str(info.inode if info else 0),
             str(info.storage_nbytes if info else 0), str(info.byte_offset if info else 0),
         ])
@@ -783,12 +611,12 @@ class Window:
                                           inline) from exc
             raise  # inside new_window the issue path types a timeout
 
-    def _peer_window(self, q: int, text: str) -> _PeerWindow:
+    def _peer_window(self, q: int, text: str) -> PeerWindow:
         parts = text.split("|")
         try:
             if parts[0] != _RECORD_VERSION or len(parts) != 7:
                 raise ValueError("unexpected format")
-            dtype = _parse_dtype(parts[1])
+            dtype = parse_dtype(parts[1])
             shape = tuple(int(d) for d in parts[2].split(",")) if parts[2] else ()
             if any(d < 0 for d in shape):
                 raise ValueError("negative size")
@@ -802,7 +630,7 @@ class Window:
         for d in shape:
             numel *= d
         itemsize = torch.empty((), dtype=dtype).element_size()
-        pw = _PeerWindow(dtype, shape, numel, itemsize)
+        pw = PeerWindow(dtype, shape, numel, itemsize)
         if self._paths[q] == SHM and numel > 0:
             if info.fd < 0:
                 raise WindowError(f"tensor_register on {self._where}: rank {q} did not share its memory")
@@ -828,7 +656,7 @@ class Window:
         finally:
             self._exit()
 
-    def _deregister(self, seq: int, reg: _Registration) -> None:
+    def _deregister(self, seq: int, reg: Registration) -> None:
         own = self._res.own
         assert own is not None
         _atomics.store(own.epoch_addr, 0)
@@ -855,8 +683,8 @@ class Window:
         seq = next(self._seq)
         self._check_valid(op, seq)
         dst = self._rank(op, "dst_rank", dst_rank)
-        _check_tensor(op, tensor)
-        off = _index(op, "target_offset_nelems", target_offset_nelems)
+        check_tensor(op, tensor)
+        off = as_index(op, "target_offset_nelems", target_offset_nelems)
         reg = self._registration(op)
         peer = reg.peers[dst]
         if tensor.dtype != peer.dtype:
@@ -883,7 +711,7 @@ class Window:
 
         return self._run(op, seq, job, bool(async_op), [tensor])
 
-    def _do_put(self, seq: int, reg: _Registration, src: torch.Tensor, dst: int, off: int, timeout: float,
+    def _do_put(self, seq: int, reg: Registration, src: torch.Tensor, dst: int, off: int, timeout: float,
                 inline: bool) -> None:
         if self._res.reg is not reg:
             raise WindowNotRegisteredError(
@@ -915,7 +743,7 @@ class Window:
             target = reg.peers[dst].flat
             blk = self._res.peer_blocks.get(dst)
         assert blk is not None and target is not None
-        status = self._write(blk, reg.epoch, lambda: _copy(target[off:off + n], src))
+        status = self._write(blk, reg.epoch, lambda: parallel_copy(target[off:off + n], src))
         if status == "state":
             raise self._peer_left("put", seq, dst, blk, inline)
         if status == "epoch":
