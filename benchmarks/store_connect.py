@@ -1,4 +1,4 @@
-"""TCPStore connects with torch's reverse DNS lookups vs without (``membership/connect.py``).
+"""TCPStore connects with torch's reverse DNS lookups vs without (``store_connect.py``).
 
 Why it matters: after a store restart every process of a job reconnects, and the next
 rendezvous waits for the slowest connect. torch's client and server make a reverse DNS
@@ -34,7 +34,7 @@ from typing import Optional
 def _serve(port_file: str) -> int:
     import torch.distributed as dist
 
-    from ftc10d.membership.connect import skip_reverse_dns
+    from ftc10d.store_connect import skip_reverse_dns
 
     skip_reverse_dns()
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -46,7 +46,7 @@ def _serve(port_file: str) -> int:
 
 
 def _client(port: int, connects: int, burst: int, rounds: int) -> int:
-    from ftc10d.membership.connect import connect_client, skip_reverse_dns
+    from ftc10d.store_connect import connect_client, skip_reverse_dns
 
     state = skip_reverse_dns()
     timeout = timedelta(seconds=30)

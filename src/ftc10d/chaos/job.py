@@ -54,7 +54,7 @@ import torch.nn.parallel  # noqa: F401
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from ftc10d.membership.connect import connect_client
+from ftc10d.store_connect import connect_client
 from ftc10d.chaos.guard import Guards
 from ftc10d.launch import EXIT_STOP_JOB
 from ftc10d.train import ManagedOptimizer, Manager, init_from_env

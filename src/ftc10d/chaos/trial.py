@@ -308,7 +308,7 @@ class Trial:
     def _arm(self, inj: Injected) -> bool:
         """``--mesh``: let the worker armed with ``inj`` (die_vote / die_after_vote) die now (the
         job's hook waits for this key); False if the store is unreachable (next tick again)."""
-        from ftc10d.membership.connect import connect_client
+        from ftc10d.store_connect import connect_client
 
         if self.coord is not None and self.coord.frozen:
             return False  # a store_stop in progress: its thaw must not wait on this (next tick again)

@@ -254,7 +254,7 @@ class Launcher:
         """Host the coordinator here, or connect to the one given; the Agreement through
         which exits are reported uses the job's token, like the workers' records."""
         from ftc10d.membership import Agreement, Coordinator, TCPMembershipStore
-        from ftc10d.membership.connect import connect_client
+        from ftc10d.store_connect import connect_client
         from ftc10d.membership.records import Signer
 
         cfg = self.config

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch.distributed as dist
 
 from ftc10d.membership.agreement import Agreement, Configuration, cfg_key, hb_key
-from ftc10d.membership.connect import connect_client, skip_reverse_dns
+from ftc10d.store_connect import connect_client, skip_reverse_dns
 from ftc10d.membership.detector import JUDGE_TICK_S, BeatInbox, LapseDetector
 from ftc10d.membership.records import Signer
 from ftc10d.membership.store import MembershipStore, count_request, requests_made  # noqa: F401 (re-exported)

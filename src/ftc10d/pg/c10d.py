@@ -22,6 +22,7 @@ from torch._C._distributed_c10d import _register_process_group
 
 from ftc10d.pg.handles import options as _options
 from ftc10d.pg.process_group import DEFAULT_TIMEOUT, ProcessGroup
+from ftc10d.store_connect import skip_reverse_dns
 from ftc10d.types import InvalidOptionError
 
 logger = logging.getLogger("ftc10d")
@@ -119,9 +120,7 @@ def init_process_group(
     if store is None:
         if init_method is None:
             init_method = "env://"
-        from ftc10d.membership.connect import skip_reverse_dns
-
-        skip_reverse_dns()  # rank 0's store server looks up every rank that connects (connect.py)
+        skip_reverse_dns()  # rank 0's store server looks up every rank that connects (store_connect.py)
         store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
         store.set_timeout(timeout)
         store = dist.PrefixStore("default_pg", store)

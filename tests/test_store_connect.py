@@ -1,4 +1,4 @@
-"""Store connects do not wait for a nameserver (``membership/connect.py``, finding 37).
+"""Store connects do not wait for a nameserver (``store_connect.py``, finding 37).
 
 torch's TCPStore makes a reverse DNS lookup at each connect and accept; a nameserver
 that drops the query makes the connect wait out the resolver's timeout. The test runs a
@@ -43,7 +43,7 @@ CHILD = textwrap.dedent("""
     threading.Thread(target=swallow, daemon=True).start()
 
     import torch.distributed as dist
-    from ftc10d.membership.connect import connect_client, skip_reverse_dns
+    from ftc10d.store_connect import connect_client, skip_reverse_dns
 
     state = skip_reverse_dns()
     t0 = time.monotonic()
