@@ -476,3 +476,56 @@ def test_a_reduce_scatter_issued_on_a_pair_the_peer_closed_is_released_by_the_ab
 def harness_state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rpartition(")")[2].split()[0]
+
+
+#: The rendezvous the abort below must not wait out (long: a blocked abort shows as seconds).
+WAIT_S = 15.0
+
+
+def _abort_beside_a_waiting_rendezvous(rank: int, world: int, port: int) -> dict:
+    store = harness.client_store(port)
+    # Two groups on one store connection, as a rank's world group and its FT-HSDP sub-groups
+    # are (each a PrefixStore over the process's one client).
+    first = ftc10d.ProcessGroup(dist.PrefixStore("first", store), rank, world, timeout=T)
+    second = ftc10d.ProcessGroup(dist.PrefixStore("second", store), rank, world,
+                                 timeout=timedelta(seconds=WAIT_S))
+    handles = harness.exchange(store, "h2", rank, second.get_reconfigure_handle(), world)
+    dist.all_reduce(torch.ones(1), group=first)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        # Alone in the second group's rendezvous (rank 1 never comes), waiting in one piece on
+        # the shared connection once the group's side connection is open.
+        def wait() -> None:
+            t0 = time.monotonic()
+            try:
+                ftc10d.reconfigure(7, handles, group=second)
+                out["rendezvous"] = "completed"
+            except ftc10d.ReconfigureAbandonedError:
+                out["rendezvous"] = "abandoned"
+            out["waited"] = time.monotonic() - t0
+
+        th = threading.Thread(target=wait)
+        th.start()
+        time.sleep(1.5)
+        t0 = time.monotonic()
+        first.abort()  # what the membership does to a group whose configuration moved on
+        out["abort_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        second.abort()  # gives the rendezvous up (its tombstones on the side connection)
+        th.join(WAIT_S + 10)
+        out["second_abort_s"] = time.monotonic() - t0
+    harness.exchange(store, "done", rank, "1", world)
+    return out
+
+
+def test_an_abort_does_not_wait_for_another_groups_rendezvous_on_the_same_store_connection() -> None:
+    """FT-HSDP chaos (`--mesh 2x2 --seed 72`, trial 12: a 15.2-s pause): a rank's membership
+    aborted its world group mid-recovery while the rank's training thread waited in a sub-group's
+    rendezvous on the same store connection. The abort began by writing why it aborted
+    (``aborted/<rank>``) on that connection, so it waited for the rendezvous to time out
+    (7.5 s, twice), and the rendezvous only ends when the abort reaches the sub-group. An
+    abort must not wait on a store connection another thread holds."""
+    res = harness.run(_abort_beside_a_waiting_rendezvous, 2)
+    r0 = res[0]
+    assert r0["abort_s"] < 1.0, f"the abort waited {r0['abort_s']:.1f} s for another group's rendezvous: {r0}"
+    assert r0["rendezvous"] == "abandoned" and r0["waited"] < WAIT_S / 2, r0

@@ -44,6 +44,10 @@ KEY_ROOT = "ftc10d"
 #: that happens (was 1 s: stalls of 1.2-1.3 s in the chaos runs), and still tens of times
 #: the few milliseconds a cut op takes to fail on a loaded 2-core machine.
 ABORT_DRAIN_TIMEOUT = timedelta(seconds=0.25)
+#: How long an abort waits for its note (why it aborted) to reach the store before it cuts the
+#: connections anyway (``Generation._announce_abort``): milliseconds normally; longer means
+#: another thread holds the shared store connection.
+ABORT_NOTE_WAIT_S = 0.25
 #: How a flight-recorder entry names a failure the backend reported after the fact.
 _ENTRY_FAILURE = {FailureKind.TIMEOUT: "timeout", FailureKind.PEER_CLOSED: "peer failure"}
 
@@ -251,10 +255,7 @@ class Generation:
                 self._abort_done.wait()
             return False
         t0 = time.perf_counter()
-        try:
-            self.store.set(f"aborted/{self.rank}", reason)
-        except Exception:
-            logger.debug("could not announce the abort", exc_info=True)
+        self._announce_abort(reason)
         try:
             if hooks:
                 self._fire_abort_hooks()
@@ -277,6 +278,34 @@ class Generation:
             self.label, self.rank, self.size, reason, cut, (time.perf_counter() - t0) * 1e3,
         )
         return True
+
+    def _announce_abort(self, reason: str) -> None:
+        """Write why this rank aborted (``aborted/<rank>``, read by the peers whose connection it
+        cuts, to name the cause) before the cut, waiting at most ``ABORT_NOTE_WAIT_S``.
+
+        Written on a helper thread: the group's store connection is shared (every group of a
+        process is a prefix of one client), and another thread may hold it in a long call, e.g.
+        a sub-group's rendezvous waiting for members that went on to a newer configuration. An
+        abort that waited for it would wait out that rendezvous (7.5 s, twice, in an FT-HSDP
+        chaos trial), and that rendezvous is only given up when this abort reaches the
+        sub-group through the hooks. Late or lost, the note only names a cause less precisely."""
+        done = threading.Event()
+
+        def note() -> None:
+            try:
+                self.store.set(f"aborted/{self.rank}", reason)
+            except Exception:
+                logger.debug("could not announce the abort", exc_info=True)
+            finally:
+                done.set()
+                untrack_retiring()
+
+        thread = threading.Thread(target=note, name="ftc10d-abort-note", daemon=True)
+        track_retiring(thread)  # the interpreter's exit waits for it (it may be in the store's C++ client)
+        thread.start()
+        if not done.wait(ABORT_NOTE_WAIT_S):
+            logger.info("%s: the store connection is busy (another thread's call); aborting without "
+                        "waiting for the abort's note to reach the store", self.label)
 
     def retire(self) -> None:
         """Drop the (aborted) backend on a background thread.
