@@ -15,13 +15,15 @@ import logging
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch.distributed as dist
 
 from ftc10d._compat import work_exception
 from ftc10d.pg.backend import Communicator, FailureKind
+from ftc10d.pg.helpers import ABORT_NOTES
 from ftc10d.pg.observer import OpRecord
 from ftc10d.pg.work import backend_done, backend_timeout
 from ftc10d.types import (
@@ -288,7 +290,15 @@ class Generation:
         a sub-group's rendezvous waiting for members that went on to a newer configuration. An
         abort that waited for it would wait out that rendezvous (7.5 s, twice, in an FT-HSDP
         chaos trial), and that rendezvous is only given up when this abort reaches the
-        sub-group through the hooks. Late or lost, the note only names a cause less precisely."""
+        sub-group through the hooks. Late or lost, the note only names a cause less precisely.
+        Inline (no thread handoff, which costs a loaded machine ms on the abort's path) while no
+        call that can hold the connection for long is in progress (:func:`long_store_call`)."""
+        if not long_store_calls():
+            try:  # nothing of ftc10d holds the connection for long: the note is written in ~1 ms
+                self.store.set(f"aborted/{self.rank}", reason)
+            except Exception:
+                logger.debug("could not announce the abort", exc_info=True)
+            return
         done = threading.Event()
 
         def note() -> None:
@@ -300,9 +310,11 @@ class Generation:
                 done.set()
                 untrack_retiring()
 
-        thread = threading.Thread(target=note, name="ftc10d-abort-note", daemon=True)
-        track_retiring(thread)  # the interpreter's exit waits for it (it may be in the store's C++ client)
-        thread.start()
+        def tracked_note() -> None:
+            track_retiring(threading.current_thread())  # the exit waits for it (in the store's C++ client)
+            note()
+
+        ABORT_NOTES.submit(tracked_note)  # an idle helper: no thread start on the abort's path
         if not done.wait(ABORT_NOTE_WAIT_S):
             logger.info("%s: the store connection is busy (another thread's call); aborting without "
                         "waiting for the abort's note to reach the store", self.label)
@@ -405,6 +417,30 @@ _retiring: set[threading.Thread] = set()
 _retiring_lock = threading.Lock()
 #: How long the interpreter's exit waits for them.
 RETIRE_AT_EXIT_S = 10.0
+
+
+#: Store calls in progress in this process that can hold a store connection for long (a
+#: rendezvous waiting for its members, a backend's connect): see ``Generation._announce_abort``.
+_long_calls = 0
+_long_calls_lock = threading.Lock()
+
+
+@contextmanager
+def long_store_call() -> Iterator[None]:
+    """Marks a store call that may hold the process's shared store connection for seconds."""
+    global _long_calls
+    with _long_calls_lock:
+        _long_calls += 1
+    try:
+        yield
+    finally:
+        with _long_calls_lock:
+            _long_calls -= 1
+
+
+def long_store_calls() -> int:
+    """How many :func:`long_store_call` calls are in progress now."""
+    return _long_calls
 
 
 def track_retiring(thread: threading.Thread) -> None:

@@ -80,4 +80,7 @@ class HelperPool:
 
 #: The backend waits of every ftc10d group of this process.
 BACKEND_WAITS = HelperPool("ftc10d-p2p-wait")
+#: Writes an abort's note to the store off the aborting thread (``Generation._announce_abort``).
+ABORT_NOTES = HelperPool("ftc10d-abort-note")
 os.register_at_fork(after_in_child=BACKEND_WAITS._after_fork)
+os.register_at_fork(after_in_child=ABORT_NOTES._after_fork)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from ftc10d.pg.backend import Communicator
-from ftc10d.pg.generation import KEY_ROOT, Generation, release, track_retiring, untrack_retiring
+from ftc10d.pg.generation import KEY_ROOT, Generation, long_store_call, release, track_retiring, untrack_retiring
 from ftc10d.pg.handles import Plan
 from ftc10d.types import (
     ConfigurationMismatchError,
@@ -240,14 +240,16 @@ def _connect(adapter: type[Communicator], store: dist.Store, plan: Plan,
     helper thread: given up, this returns at once, and the helper releases whatever
     the connect makes when it ends (its peers, who moved on, never use it either)."""
     if pending is None:
-        return adapter.connect(store, plan.rank, plan.size, plan.timeout)
+        with long_store_call():
+            return adapter.connect(store, plan.rank, plan.size, plan.timeout)
     box: dict[str, Any] = {}
     done = threading.Event()
     lock = threading.Lock()
 
     def run() -> None:
         try:
-            box["comm"] = adapter.connect(store, plan.rank, plan.size, plan.timeout)
+            with long_store_call():  # until the connect ends, even after its caller gave it up
+                box["comm"] = adapter.connect(store, plan.rank, plan.size, plan.timeout)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller (or dropped, if it left)
             box["exc"] = exc
         with lock:
@@ -322,7 +324,8 @@ def rendezvous(
                 "all members must be given the same ordered handles"
             )
         try:
-            _wait_unless_abandoned(store, keys, plan, pending)
+            with long_store_call():
+                _wait_unless_abandoned(store, keys, plan, pending)
         except Exception as exc:
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
             raise ReconfigureTimeoutError(
@@ -383,10 +386,12 @@ def bootstrap(
     prefix = f"{KEY_ROOT}/init/{nth}"
     keys = [f"{prefix}/rank/{r}" for r in range(size)]
     store.set(keys[rank], f"{handle}|{global_rank}")
-    store.wait(keys, timeout)
+    with long_store_call():
+        store.wait(keys, timeout)
     values = [v.decode().partition("|") for v in store.multi_get(keys)]
     handles = tuple(v[0] for v in values)
     global_ranks = tuple(int(v[2]) for v in values)
     gen_store = dist.PrefixStore(f"{prefix}/{adapter.name}", store)
-    comm = adapter.connect(gen_store, rank, size, timeout)
+    with long_store_call():
+        comm = adapter.connect(gen_store, rank, size, timeout)
     return Generation(None, rank, size, handles, global_ranks, comm, gen_store, fire_abort_hooks)
