@@ -302,6 +302,7 @@ class Generation:
         done = threading.Event()
 
         def note() -> None:
+            track_retiring(threading.current_thread())  # the exit waits for it (in the store's C++ client)
             try:
                 self.store.set(f"aborted/{self.rank}", reason)
             except Exception:
@@ -310,11 +311,7 @@ class Generation:
                 done.set()
                 untrack_retiring()
 
-        def tracked_note() -> None:
-            track_retiring(threading.current_thread())  # the exit waits for it (in the store's C++ client)
-            note()
-
-        ABORT_NOTES.submit(tracked_note)  # an idle helper: no thread start on the abort's path
+        ABORT_NOTES.submit(note)  # an idle helper: no thread start on the abort's path
         if not done.wait(ABORT_NOTE_WAIT_S):
             logger.info("%s: the store connection is busy (another thread's call); aborting without "
                         "waiting for the abort's note to reach the store", self.label)
